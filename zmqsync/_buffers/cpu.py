@@ -1,0 +1,245 @@
+"""CPU buffers: a file in a tmpfs directory (default /dev/shm), mapped zero-copy.
+
+* Created under a temporary name, locked, reserved with ``posix_fallocate`` (a full
+  /dev/shm is a clear `SharedMemoryFull` now, never a SIGBUS later), then renamed.
+* Every process that maps a segment holds a shared ``flock`` on it for as long as the
+  mapping lives. `collect_garbage` removes segments whose lock is free: a SIGKILLed
+  publisher leaks nothing for long, and a segment still in use is never removed.
+* Subscribers open without create, refuse symlinks and anything but a regular file of
+  the announced size, and map read-only: a worker that writes into aliased weights
+  faults in that worker instead of corrupting everyone's.
+* A mapping is never closed while a tensor view of it is alive. ``torch.frombuffer``
+  keeps a reference to the mmap object but no buffer export, so ``mmap.close()`` would
+  unmap under live views (a segfault on next use). We therefore never call it: we drop
+  our references, and the mapping (and the lock's file descriptor, via a finalizer)
+  goes when the last view does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import logging
+import mmap
+import os
+import stat
+import time
+import warnings
+import weakref
+from collections.abc import Iterator
+from typing import Any, ClassVar
+
+import torch
+
+from .._errors import BufferUnavailable, ProtocolError, SharedMemoryFull
+from .._protocol import BufferInfo
+from .base import AttachedBuffer, SharedBuffer
+from .header import HEADER_BYTES, Header
+
+__all__ = ["CpuAttachment", "CpuSegment", "collect_garbage", "segment_name"]
+
+log = logging.getLogger(__name__)
+
+PREFIX = "zmqsync-"
+_TMP_GRACE_S = 60.0  # a half-created segment older than this, unlocked, is garbage
+_FULL_ERRNOS = (errno.ENOSPC, errno.EFBIG, errno.ENOMEM, errno.EDQUOT)
+
+
+def segment_name(bus_name: str, bus: str, device: str = "cpu") -> str:
+    return f"{PREFIX}{bus_name}-{bus}-{device.replace(':', '')}"
+
+
+def _free_bytes(directory: str) -> int:
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return 0
+    return st.f_bavail * st.f_frsize
+
+
+@contextlib.contextmanager
+def map_os_errors(path: str, needed: int) -> Iterator[None]:
+    """Turn the OS's 'no room' errors into SharedMemoryFull, with what to do."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno not in _FULL_ERRNOS:
+            raise
+        free = _free_bytes(os.path.dirname(path))
+        raise SharedMemoryFull(
+            f"cannot reserve {needed / 2**20:.1f} MiB for {path}: only {free / 2**20:.1f} MiB "
+            f"free in {os.path.dirname(path)}; free space there, use fewer slots, pass "
+            "shm_dir= (or ZMQSYNC_SHM_DIR) for a bigger tmpfs, or raise Docker's shm_size",
+            path=path,
+            needed=needed,
+            free=free,
+        ) from exc
+
+
+def _as_tensor(mm: mmap.mmap) -> torch.Tensor:
+    with warnings.catch_warnings():
+        # A read-only mapping is read-only on purpose (see module docstring).
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(mm, dtype=torch.uint8)
+
+
+class CpuSegment(SharedBuffer):
+    """The publisher's segment: created, written, unlinked on close."""
+
+    kind: ClassVar[str] = "cpu"
+
+    def __init__(self, directory: str, name: str, *, slots: int, slot_bytes: int) -> None:
+        self.path = os.path.join(directory, name)
+        self.name = name
+        self.size = HEADER_BYTES + slots * slot_bytes
+        self._slots, self._slot_bytes = slots, slot_bytes
+        tmp = os.path.join(directory, f".{name}.tmp")
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            with map_os_errors(self.path, self.size):
+                os.posix_fallocate(fd, 0, self.size)
+            os.rename(tmp, self.path)
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        self._fd: int | None = fd
+        self._mm = mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED)
+        self._words = memoryview(self._mm)[:HEADER_BYTES].cast("Q")
+        self.header = Header.initialise(self._words, slots, slot_bytes)
+        self._flat = _as_tensor(self._mm)
+
+    def slot(self, index: int) -> torch.Tensor:
+        start = HEADER_BYTES + index * self._slot_bytes
+        return self._flat[start : start + self._slot_bytes]
+
+    def describe(self) -> BufferInfo:
+        return BufferInfo("cpu", "cpu", self.name, self.size, HEADER_BYTES)
+
+    def close(self) -> None:
+        if self._fd is None:
+            return
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+        self.header.release()
+        del self._flat, self._mm  # unmapped once no view of ours is left
+        os.close(self._fd)
+        self._fd = None
+
+    def __repr__(self) -> str:
+        state = "closed" if self._fd is None else f"{self.size} bytes"
+        return f"<CpuSegment {self.path} {state}>"
+
+
+class CpuAttachment(AttachedBuffer):
+    """A subscriber's read-only mapping of a publisher's segment."""
+
+    kind: ClassVar[str] = "cpu"
+
+    def __init__(self, mm: mmap.mmap, fd: int, path: str, slot_bytes: int) -> None:
+        self.path = path
+        self._mm: mmap.mmap | None = mm
+        self._slot_bytes = slot_bytes
+        self._words = memoryview(mm)[:HEADER_BYTES].cast("Q")
+        self.header = Header(self._words)
+        self._flat: torch.Tensor | None = _as_tensor(mm)
+        # The shared lock lives exactly as long as the mapping does.
+        weakref.finalize(mm, os.close, fd)
+
+    @classmethod
+    def attach(
+        cls, info: BufferInfo, *, slots: int, slot_bytes: int, **options: Any
+    ) -> CpuAttachment:
+        directory = options["shm_dir"]
+        if "/" in info.segment or info.segment in (".", ".."):
+            raise ProtocolError(f"segment name {info.segment!r} is not a plain file name")
+        path = os.path.join(directory, info.segment)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as exc:
+            raise BufferUnavailable(
+                f"cannot open segment {info.segment} in {directory}: {exc.strerror}; "
+                "publisher and subscriber must use the same shm dir (shm_dir= or "
+                "ZMQSYNC_SHM_DIR) and, in containers, share it (ipc: or a volume)"
+            ) from exc
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise ProtocolError(f"segment {path} is not a regular file")
+            if st.st_size < info.size or info.size < HEADER_BYTES + slots * slot_bytes:
+                raise ProtocolError(
+                    f"segment {path} holds {st.st_size} bytes, WELCOME announced {info.size}"
+                )
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            mm = mmap.mmap(fd, info.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        except BaseException:
+            os.close(fd)
+            raise
+        attached = cls(mm, fd, path, slot_bytes)
+        if not attached.header.valid(slots, slot_bytes):
+            attached.close()
+            raise ProtocolError(f"segment {path} has no valid header for {slots} slots")
+        return attached
+
+    def slot(self, index: int) -> torch.Tensor:
+        if self._flat is None:
+            raise ValueError("buffer is closed")
+        start = HEADER_BYTES + index * self._slot_bytes
+        return self._flat[start : start + self._slot_bytes]
+
+    def close(self) -> None:
+        if self._mm is None:
+            return
+        self.header.release()
+        self._flat = None
+        self._mm = None  # unmapped (and unlocked) when the last tensor view dies
+
+
+def collect_garbage(directory: str) -> list[str]:
+    """Remove zmqsync segments in `directory` that no process holds a lock on.
+
+    Returns the paths removed. Safe to run at any time: a segment in use is locked by
+    its publisher and every subscriber, and a lock cannot be taken while it is held.
+    """
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return removed
+    for name in names:
+        is_tmp = name.startswith(f".{PREFIX}") and name.endswith(".tmp")
+        if not (name.startswith(PREFIX) or is_tmp):
+            continue
+        path = os.path.join(directory, name)
+        if _remove_if_unlocked(path, min_age_s=_TMP_GRACE_S if is_tmp else 0.0):
+            removed.append(path)
+    if removed:
+        log.info("removed %d leaked segment(s) from %s", len(removed), directory)
+    return removed
+
+
+def _remove_if_unlocked(path: str, *, min_age_s: float) -> bool:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+            return False
+        if time.time() - st.st_mtime < min_age_s:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False  # in use
+        with contextlib.suppress(FileNotFoundError):
+            if os.stat(path, follow_symlinks=False).st_ino == st.st_ino:
+                os.unlink(path)
+                return True
+        return False
+    finally:
+        os.close(fd)

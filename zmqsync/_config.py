@@ -1,0 +1,89 @@
+"""Defaults (in seconds) and where things live on the host: runtime dir, shm dir.
+
+`Publisher(model, name="policy")` and `Subscriber(name="policy")` meet at
+``ipc://<runtime dir>/policy.sock`` with no other configuration. The runtime dir is
+private to the user (0700): whoever can write to it can impersonate a publisher.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+import tempfile
+
+__all__ = [
+    "ACK_DRAIN_MAX",
+    "DEFAULT_SHM_DIR",
+    "HANDSHAKE_ATTEMPTS",
+    "LOST_AFTER_BEATS",
+    "MAX_MESSAGE_BYTES",
+    "check_name",
+    "default_address",
+    "runtime_dir",
+    "shm_dir",
+]
+
+DEFAULT_SHM_DIR = "/dev/shm"
+HANDSHAKE_ATTEMPTS = 3  # Lazy Pirate: fresh REQ socket per attempt
+LOST_AFTER_BEATS = 6  # a peer silent for this many heartbeat intervals is lost
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # MAXMSGSIZE on every bound socket
+ACK_DRAIN_MAX = 1024  # messages handled per wake-up, so one flood cannot starve the rest
+CLOSE_BYE_WAIT_S = 0.5  # how long close() waits for BYEs after STOP
+THREAD_JOIN_S = 5.0  # how long close() waits for a background thread
+
+_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
+_IPC_PATH_MAX = 107  # sun_path is 108 bytes including the NUL
+
+
+def check_name(name: str) -> str:
+    """Bus names end up in file names: letters, digits, ``_ . -``, at most 64."""
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise ValueError(
+            f"bus name {name!r} is not allowed: use 1-64 letters, digits, '_', '.', '-', "
+            "not starting with '.' or '-'"
+        )
+    return name
+
+
+def runtime_dir() -> str:
+    """The per-user directory for ipc:// sockets, created 0700 if missing.
+
+    ``$ZMQSYNC_RUNTIME_DIR`` wins; then ``$XDG_RUNTIME_DIR/zmqsync``; then
+    ``<tmp>/zmqsync-<uid>``. A directory owned by someone else or writable by others is
+    refused: a socket there could be replaced by an impostor publisher.
+    """
+    path = os.environ.get("ZMQSYNC_RUNTIME_DIR")
+    if not path:
+        xdg = os.environ.get("XDG_RUNTIME_DIR")
+        base = xdg if xdg and os.path.isdir(xdg) else tempfile.gettempdir()
+        path = os.path.join(base, "zmqsync" if xdg else f"zmqsync-{os.getuid()}")
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    info = os.stat(path)
+    if info.st_uid != os.getuid():
+        raise PermissionError(
+            f"runtime dir {path} is owned by uid {info.st_uid}, not by you (uid "
+            f"{os.getuid()}); set ZMQSYNC_RUNTIME_DIR to a directory of your own"
+        )
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise PermissionError(
+            f"runtime dir {path} is writable by others (mode {stat.S_IMODE(info.st_mode):o}); "
+            f"run `chmod 700 {path}` or set ZMQSYNC_RUNTIME_DIR"
+        )
+    return path
+
+
+def default_address(name: str) -> str:
+    """``ipc://<runtime dir>/<name>.sock``: where a bus called `name` lives on this host."""
+    path = os.path.join(runtime_dir(), f"{check_name(name)}.sock")
+    if len(path) > _IPC_PATH_MAX - len(".events"):
+        raise ValueError(
+            f"socket path {path} is too long for ipc:// ({len(path)} bytes); set "
+            "ZMQSYNC_RUNTIME_DIR to a shorter directory or use a shorter name"
+        )
+    return f"ipc://{path}"
+
+
+def shm_dir(explicit: str | None = None) -> str:
+    """Where CPU segments live: the argument, else ``$ZMQSYNC_SHM_DIR``, else /dev/shm."""
+    return explicit or os.environ.get("ZMQSYNC_SHM_DIR") or DEFAULT_SHM_DIR

@@ -1,0 +1,94 @@
+"""The errors zmqsync raises on purpose. Catch ZmqSyncError for all of them.
+
+* ZmqSyncError
+  x ConnectTimeout      (also TimeoutError)  no WELCOME before the deadline
+  x PublishTimeout      (also TimeoutError)  .version .acked .missing
+  x ProtocolError                             a peer sent something outside the protocol
+  x LayoutMismatch      (also ValueError)     publish() got other keys/shapes/dtypes
+  x SharedMemoryFull    (also OSError)        .path .needed .free
+  x ClosedError         (also RuntimeError)   the Publisher/Subscriber was closed
+
+Each error also subclasses the matching built-in, so ordinary ``except TimeoutError``
+or ``except ValueError`` clauses keep working. Messages say what happened, with
+identifiers, then what to do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+__all__ = [
+    "BufferUnavailable",
+    "ClosedError",
+    "ConnectTimeout",
+    "LayoutMismatch",
+    "ProtocolError",
+    "PublishTimeout",
+    "SharedMemoryFull",
+    "ZmqSyncError",
+]
+
+
+class ZmqSyncError(Exception):
+    """Base class of every error zmqsync raises on purpose."""
+
+
+class ConnectTimeout(ZmqSyncError, TimeoutError):
+    """No publisher answered the handshake before the deadline."""
+
+
+class PublishTimeout(ZmqSyncError, TimeoutError):
+    """Some workers did not acknowledge a version before the deadline."""
+
+    def __init__(
+        self, message: str, *, version: int, acked: Iterable[str], missing: Iterable[str]
+    ) -> None:
+        super().__init__(message)
+        self.version = version
+        self.acked = tuple(acked)
+        self.missing = tuple(missing)
+
+
+class ProtocolError(ZmqSyncError):
+    """A peer sent bytes that are not a valid message of this protocol and bus."""
+
+
+class LayoutMismatch(ZmqSyncError, ValueError):
+    """publish() got tensors whose keys, shapes or dtypes differ from the bus layout."""
+
+
+class SharedMemoryFull(ZmqSyncError, OSError):
+    """The shared-memory directory has no room for the buffer."""
+
+    def __init__(self, message: str, *, path: str, needed: int, free: int) -> None:
+        super().__init__(message)
+        self.path = path
+        self.needed = needed
+        self.free = free
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+class BufferUnavailable(ZmqSyncError, OSError):
+    """A shared segment the publisher named cannot be opened or mapped here."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+class ClosedError(ZmqSyncError, RuntimeError):
+    """The Publisher or Subscriber was closed (or never started)."""
+
+
+for _cls in (
+    ZmqSyncError,
+    ConnectTimeout,
+    PublishTimeout,
+    ProtocolError,
+    LayoutMismatch,
+    SharedMemoryFull,
+    BufferUnavailable,
+    ClosedError,
+):
+    _cls.__module__ = "zmqsync"

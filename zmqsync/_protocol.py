@@ -1,0 +1,579 @@
+"""The wire protocol: frozen messages, `encode`, `decode`. No sockets, no clock, no torch.
+
+This is the only place where bytes from a socket become objects. `decode` either
+returns a valid message or raises `ProtocolError`; any other exception is a bug.
+
+**Nothing received is ever unpickled.** Pickle turns bytes into code execution (the
+ShadowMQ family of CVEs in inference servers was exactly a ``recv_pyobj`` on a reachable
+socket). Every message is a msgpack map of plain values, validated field by field
+(type, range, length) against the tables below; buffer handles travel as plain fields
+and are rebuilt by fixed local code.
+
+Every message carries ``proto`` (`PROTO`), ``type`` and ``bus`` (a random id chosen when
+a publisher starts). A HELLO or INSPECT may carry an empty ``bus``: the sender does not
+know the bus yet. The field tables (`FIELDS`) are the specification; ``docs/protocol.md``
+is generated from them by ``tools/gen_protocol_doc.py`` and a test keeps the two equal.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar, TypeAlias
+
+import msgpack
+
+from ._errors import ProtocolError
+
+__all__ = [
+    "DTYPES",
+    "FIELDS",
+    "MESSAGE_TYPES",
+    "PROTO",
+    "Ack",
+    "BufferInfo",
+    "Bye",
+    "Error",
+    "Heartbeat",
+    "Hello",
+    "Inspect",
+    "Message",
+    "Receive",
+    "State",
+    "Stop",
+    "TensorSpec",
+    "contiguous_stride",
+    "Welcome",
+    "WorkerState",
+    "decode",
+    "encode",
+    "to_plain",
+]
+
+PROTO = 1
+ALIGN = 256  # every tensor starts at a multiple of this inside a slot
+MAX_MESSAGE = 16 * 1024 * 1024
+MAX_TENSORS = 100_000
+MAX_SLOTS = 64
+MAX_BYTES = 1 << 48  # 256 TiB: far above any model, far below int64 overflow
+MAX_NDIM = 16
+MAX_KEY_DEPTH = 32
+MAX_WORKERS = 100_000
+MAX_U63 = (1 << 63) - 1
+
+# dtype name on the wire -> item size in bytes. A fixed table: a name received is looked
+# up here, never resolved with getattr on a module.
+DTYPES: dict[str, int] = {
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "float8_e4m3fnuz": 1,
+    "float8_e5m2fnuz": 1,
+    "complex64": 8,
+    "complex128": 16,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
+}
+
+_HEX16 = re.compile(r"^[0-9a-f]{16}$")
+_SEGMENT = re.compile(r"^zmqsync-[A-Za-z0-9_.-]{1,160}$")
+
+Check: TypeAlias = Callable[[Any, str], Any]
+
+
+# --- field checks: each returns the (possibly converted) value or raises ProtocolError ---
+
+
+def _fail(where: str, why: str) -> ProtocolError:
+    return ProtocolError(f"{where}: {why}")
+
+
+def _int(lo: int = 0, hi: int = MAX_U63) -> Check:
+    def check(value: Any, where: str) -> int:
+        if type(value) is not int:
+            raise _fail(where, f"expected an integer, got {type(value).__name__}")
+        if not lo <= value <= hi:
+            raise _fail(where, f"{value} is outside [{lo}, {hi}]")
+        return value
+
+    check.__doc__ = f"int in [{lo}, {hi}]"
+    return check
+
+
+def _float(lo: float, hi: float) -> Check:
+    def check(value: Any, where: str) -> float:
+        if type(value) not in (int, float) or not math.isfinite(value):
+            raise _fail(where, "expected a finite number")
+        if not lo <= value <= hi:
+            raise _fail(where, f"{value} is outside [{lo}, {hi}]")
+        return float(value)
+
+    check.__doc__ = f"float in [{lo}, {hi}]"
+    return check
+
+
+def _text(max_len: int, pattern: re.Pattern[str] | None = None, empty: bool = True) -> Check:
+    def check(value: Any, where: str) -> str:
+        if type(value) is not str:
+            raise _fail(where, f"expected a string, got {type(value).__name__}")
+        if len(value) > max_len or (not value and not empty):
+            raise _fail(where, f"string length {len(value)} not allowed")
+        if value and pattern is not None and not pattern.match(value):
+            raise _fail(where, f"{value[:80]!r} does not match {pattern.pattern}")
+        return value
+
+    rule = f", matching {pattern.pattern}" if pattern is not None else ""
+    check.__doc__ = f"str, at most {max_len} chars{rule}" + ("" if empty else ", not empty")
+    return check
+
+
+def _choice(*options: str) -> Check:
+    def check(value: Any, where: str) -> str:
+        if type(value) is not str or value not in options:
+            raise _fail(where, f"expected one of {options}, got {str(value)[:40]!r}")
+        return value
+
+    check.__doc__ = "one of " + ", ".join(f'"{o}"' for o in options)
+    return check
+
+
+def _bin(max_len: int) -> Check:
+    def check(value: Any, where: str) -> bytes:
+        if type(value) is not bytes or len(value) > max_len:
+            raise _fail(where, f"expected at most {max_len} bytes")
+        return value
+
+    check.__doc__ = f"bytes, at most {max_len}"
+    return check
+
+
+def _list(item: Check, max_len: int) -> Check:
+    def check(value: Any, where: str) -> tuple[Any, ...]:
+        if type(value) is not list:
+            raise _fail(where, f"expected a list, got {type(value).__name__}")
+        if len(value) > max_len:
+            raise _fail(where, f"list of {len(value)} items (at most {max_len})")
+        return tuple(item(v, f"{where}[{i}]") for i, v in enumerate(value))
+
+    check.__doc__ = f"list (at most {max_len}) of {item.__doc__}"
+    return check
+
+
+def _counters(value: Any, where: str) -> dict[str, int]:
+    """map str -> int >= 0 (at most 256 entries)"""
+    if type(value) is not dict or len(value) > 256:
+        raise _fail(where, "expected a map of at most 256 counters")
+    return {_text(64)(k, where): _int()(v, f"{where}.{k}") for k, v in value.items()}
+
+
+def _record(cls: type[Any]) -> Check:
+    def check(value: Any, where: str) -> Any:
+        if type(value) is not dict:
+            raise _fail(where, f"expected a map, got {type(value).__name__}")
+        return _build(cls, value, where)
+
+    check.__doc__ = f"map: {cls.__name__}"
+    return check
+
+
+def _build(cls: type[Any], raw: dict[Any, Any], where: str, skip: tuple[str, ...] = ()) -> Any:
+    table = FIELDS[cls]
+    extra = set(raw) - set(table) - set(skip)
+    if extra:
+        raise _fail(where, f"unknown field(s) {sorted(map(str, extra))[:5]}")
+    values = {}
+    for name, (check, _doc) in table.items():
+        if name not in raw:
+            raise _fail(where, f"missing field {name!r}")
+        values[name] = check(raw[name], f"{where}.{name}")
+    try:
+        return cls(**values)
+    except ValueError as exc:  # cross-field checks in __post_init__
+        raise _fail(where, str(exc)) from exc
+
+
+# --- messages --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """Where one tensor lives inside a slot: a contiguous, 256-byte-aligned run of bytes."""
+
+    key: tuple[str, ...]
+    dtype: str
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+    nbytes: int
+    buffer: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.key:
+            raise ValueError("empty key")
+        numel = math.prod(self.shape)
+        if numel * DTYPES[self.dtype] != self.nbytes:
+            raise ValueError(f"{'.'.join(self.key)}: shape x itemsize != nbytes")
+        if self.stride != contiguous_stride(self.shape):
+            raise ValueError(f"{'.'.join(self.key)}: stride is not contiguous")
+        if self.offset % ALIGN:
+            raise ValueError(f"{'.'.join(self.key)}: offset not {ALIGN}-byte aligned")
+
+    @property
+    def name(self) -> str:
+        return ".".join(self.key)
+
+
+def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for size in reversed(shape):
+        stride.append(acc)
+        acc *= max(size, 1)
+    return tuple(reversed(stride))
+
+
+@dataclass(frozen=True, slots=True)
+class BufferInfo:
+    """One shared buffer (one per device): how a subscriber maps it, without unpickling."""
+
+    kind: str
+    device: str
+    segment: str
+    size: int
+    header_bytes: int
+    handle: bytes = b""
+    device_uuid: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerState:
+    """A worker as the publisher sees it (in STATE)."""
+
+    worker_id: str
+    pid: int
+    host: str
+    mode: str
+    transport: str
+    version: int
+    last_seen: float
+
+
+@dataclass(frozen=True, slots=True)
+class Hello:
+    """Subscriber -> publisher (control): I want to join; tell me where everything is."""
+
+    TYPE: ClassVar[str] = "hello"
+    bus: str
+    worker_id: str
+    pid: int
+    host: str
+    mode: str
+    transport: str
+
+
+@dataclass(frozen=True, slots=True)
+class Welcome:
+    """Publisher -> subscriber (control): endpoints, buffers, manifest, current version."""
+
+    TYPE: ClassVar[str] = "welcome"
+    bus: str
+    session: str
+    seq: int
+    version: int
+    slot: int
+    slots: int
+    slot_bytes: int
+    heartbeat: float
+    events: str
+    acks: str
+    tap: str
+    buffers: tuple[BufferInfo, ...]
+    manifest: tuple[TensorSpec, ...]
+
+    def __post_init__(self) -> None:
+        if not self.buffers:
+            raise ValueError("no buffers")
+        if self.slot >= self.slots:
+            raise ValueError(f"slot {self.slot} >= slots {self.slots}")
+        for buf in self.buffers:
+            if buf.header_bytes + self.slots * self.slot_bytes > buf.size:
+                raise ValueError(f"segment {buf.segment}: slots exceed its size")
+        for spec in self.manifest:
+            if spec.buffer >= len(self.buffers):
+                raise ValueError(f"{spec.name}: buffer index {spec.buffer} out of range")
+            if spec.offset + spec.nbytes > self.slot_bytes:
+                raise ValueError(f"{spec.name}: offset + nbytes past the slot")
+
+
+@dataclass(frozen=True, slots=True)
+class Receive:
+    """Publisher -> all (events): version `version` is complete in `slot`; apply it, ACK."""
+
+    TYPE: ClassVar[str] = "receive"
+    bus: str
+    seq: int
+    version: int
+    slot: int
+
+
+@dataclass(frozen=True, slots=True)
+class Stop:
+    """Publisher -> all (events): the bus closes (`session` empty) or one worker is evicted."""
+
+    TYPE: ClassVar[str] = "stop"
+    bus: str
+    seq: int
+    session: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeat:
+    """Either way: I am alive. From the publisher `seq` is the last event seq sent."""
+
+    TYPE: ClassVar[str] = "heartbeat"
+    bus: str
+    seq: int
+    worker_id: str
+    session: str
+    version: int
+
+
+@dataclass(frozen=True, slots=True)
+class Ack:
+    """Subscriber -> publisher (acks): my model now computes with `version`."""
+
+    TYPE: ClassVar[str] = "ack"
+    bus: str
+    worker_id: str
+    session: str
+    version: int
+
+
+@dataclass(frozen=True, slots=True)
+class Bye:
+    """Subscriber -> publisher (acks): I am leaving; forget me and free my slot."""
+
+    TYPE: ClassVar[str] = "bye"
+    bus: str
+    worker_id: str
+    session: str
+
+
+@dataclass(frozen=True, slots=True)
+class Inspect:
+    """Anyone -> publisher (control): describe the bus (answered with STATE)."""
+
+    TYPE: ClassVar[str] = "inspect"
+    bus: str
+
+
+@dataclass(frozen=True, slots=True)
+class State:
+    """Publisher -> inspector (control): manifest, buffers, workers, counters."""
+
+    TYPE: ClassVar[str] = "state"
+    bus: str
+    name: str
+    pid: int
+    version: int
+    seq: int
+    slots: int
+    slot_versions: tuple[int, ...]
+    heartbeat: float
+    tap: str
+    buffers: tuple[BufferInfo, ...]
+    manifest: tuple[TensorSpec, ...]
+    workers: tuple[WorkerState, ...]
+    counters: dict[str, int]
+
+
+@dataclass(frozen=True, slots=True)
+class Error:
+    """Publisher -> requester (control): your request was refused, and why."""
+
+    TYPE: ClassVar[str] = "error"
+    bus: str
+    reason: str
+
+
+Message: TypeAlias = (
+    Hello | Welcome | Receive | Stop | Heartbeat | Ack | Bye | Inspect | State | Error
+)
+
+_BUS = _text(16, _HEX16, empty=False)
+_BUS_OR_EMPTY = _text(16, _HEX16)
+_SESSION = _text(16, _HEX16)
+_ID = _text(128, re.compile(r"^[\x21-\x7e]+$"), empty=False)
+_VERSION = _int()
+_SLOT = _int(0, MAX_SLOTS - 1)
+_KEY_PART = _text(256, empty=False)
+_ENDPOINT = _text(512, re.compile(r"^(ipc|tcp|inproc)://"))
+
+# name -> (check, description). The specification; docs/protocol.md is generated from it.
+FIELDS: dict[type[Any], dict[str, tuple[Check, str]]] = {
+    TensorSpec: {
+        "key": (_list(_KEY_PART, MAX_KEY_DEPTH), "path of the tensor, e.g. [\"0\", \"weight\"]"),
+        "dtype": (_choice(*DTYPES), "element type"),
+        "shape": (_list(_int(0, MAX_BYTES), MAX_NDIM), "sizes"),
+        "stride": (_list(_int(0, MAX_BYTES), MAX_NDIM), "contiguous strides, in elements"),
+        "offset": (_int(0, MAX_BYTES), "byte offset inside a slot; a multiple of 256"),
+        "nbytes": (_int(0, MAX_BYTES), "byte length; equals prod(shape) x itemsize"),
+        "buffer": (_int(0, 15), "index into `buffers` (one buffer per device)"),
+    },
+    BufferInfo: {
+        "kind": (_choice("cpu", "cuda"), "transport of this buffer"),
+        "device": (_text(32, empty=False), "torch device of the publisher's buffer"),
+        "segment": (_text(200, _SEGMENT), "file name in the shm dir (never a path)"),
+        "size": (_int(0, MAX_BYTES), "bytes of the whole segment"),
+        "header_bytes": (_int(0, 1 << 20), "bytes of the header page before slot 0"),
+        "handle": (_bin(256), "CUDA IPC handle bytes; empty for cpu"),
+        "device_uuid": (_text(64), "CUDA device UUID; empty for cpu"),
+    },
+    WorkerState: {
+        "worker_id": (_ID, "worker id"),
+        "pid": (_int(), "process id in the worker's namespace"),
+        "host": (_text(255), "host name"),
+        "mode": (_choice("copy", "alias"), "apply mode"),
+        "transport": (_choice("cpu", "cuda"), "how the worker reads the buffer"),
+        "version": (_int(-1), "last acked version; -1 before the first ack"),
+        "last_seen": (_float(0, 1e12), "seconds since the last message from it"),
+    },
+    Hello: {
+        "bus": (_BUS_OR_EMPTY, "empty, or the bus the sender last knew"),
+        "worker_id": (_ID, "stable name of the worker (default host-pid)"),
+        "pid": (_int(), "process id"),
+        "host": (_text(255), "host name"),
+        "mode": (_choice("copy", "alias"), "how it applies versions"),
+        "transport": (_choice("cpu", "cuda"), "buffer transport it will use"),
+    },
+    Welcome: {
+        "bus": (_BUS, "bus id"),
+        "session": (_SESSION, "id of this worker's membership; echoed in ACK/HEARTBEAT/BYE"),
+        "seq": (_int(), "seq of the last event sent; drop events with seq <= this"),
+        "version": (_VERSION, "current version"),
+        "slot": (_SLOT, "slot holding the current version"),
+        "slots": (_int(1, MAX_SLOTS), "number of slots"),
+        "slot_bytes": (_int(0, MAX_BYTES), "bytes per slot (page multiple)"),
+        "heartbeat": (_float(0.001, 3600), "heartbeat interval in seconds"),
+        "events": (_ENDPOINT, "PUB endpoint to connect a SUB to"),
+        "acks": (_ENDPOINT, "PULL endpoint to connect a PUSH to"),
+        "tap": (_text(512), "tap endpoint, empty when the tap is off"),
+        "buffers": (_list(_record(BufferInfo), 16), "one per device"),
+        "manifest": (_list(_record(TensorSpec), MAX_TENSORS), "every tensor"),
+    },
+    Receive: {
+        "bus": (_BUS, "bus id"),
+        "seq": (_int(1), "event sequence number, +1 per RECEIVE/STOP"),
+        "version": (_VERSION, "the new version"),
+        "slot": (_SLOT, "slot it was written to"),
+    },
+    Stop: {
+        "bus": (_BUS, "bus id"),
+        "seq": (_int(1), "event sequence number"),
+        "session": (_text(16, _HEX16), "empty: the bus closes; else that worker is evicted"),
+        "reason": (_text(256), "why, for humans"),
+    },
+    Heartbeat: {
+        "bus": (_BUS, "bus id"),
+        "seq": (_int(), "publisher: last event seq sent (gap detection); worker: 0"),
+        "worker_id": (_text(128), "empty from the publisher"),
+        "session": (_text(16, _HEX16), "the worker's session; empty from the publisher"),
+        "version": (_int(-1), "sender's current version"),
+    },
+    Ack: {
+        "bus": (_BUS, "bus id"),
+        "worker_id": (_ID, "worker id"),
+        "session": (_SESSION, "session from WELCOME"),
+        "version": (_VERSION, "version the model now computes with"),
+    },
+    Bye: {
+        "bus": (_BUS, "bus id"),
+        "worker_id": (_ID, "worker id"),
+        "session": (_SESSION, "session from WELCOME"),
+    },
+    Inspect: {"bus": (_BUS_OR_EMPTY, "empty or the bus id")},
+    State: {
+        "bus": (_BUS, "bus id"),
+        "name": (_text(64), "bus name"),
+        "pid": (_int(), "publisher process id"),
+        "version": (_VERSION, "current version"),
+        "seq": (_int(), "last event seq"),
+        "slots": (_int(1, MAX_SLOTS), "number of slots"),
+        "slot_versions": (_list(_int(-1), MAX_SLOTS), "version in each slot, -1 empty"),
+        "heartbeat": (_float(0.001, 3600), "heartbeat interval in seconds"),
+        "tap": (_text(512), "tap endpoint, empty when off"),
+        "buffers": (_list(_record(BufferInfo), 16), "as in WELCOME"),
+        "manifest": (_list(_record(TensorSpec), MAX_TENSORS), "as in WELCOME"),
+        "workers": (_list(_record(WorkerState), MAX_WORKERS), "live workers"),
+        "counters": (_counters, "publishes, acks, timeouts, evictions, rejected, ..."),
+    },
+    Error: {"bus": (_BUS, "bus id"), "reason": (_text(1024), "why the request was refused")},
+}
+
+MESSAGE_TYPES: dict[str, type[Any]] = {
+    cls.TYPE: cls
+    for cls in (Hello, Welcome, Receive, Stop, Heartbeat, Ack, Bye, Inspect, State, Error)
+}
+
+
+def to_plain(obj: Any) -> Any:
+    """A message (or part of one) as plain msgpack/JSON-safe values."""
+    if hasattr(obj, "__dataclass_fields__"):
+        return {f.name: to_plain(getattr(obj, f.name)) for f in fields(obj)}
+    if isinstance(obj, tuple | list):
+        return [to_plain(v) for v in obj]
+    if isinstance(obj, Mapping):
+        return {k: to_plain(v) for k, v in obj.items()}
+    return obj
+
+
+def encode(msg: Message) -> bytes:
+    """Bytes for `msg`. Our own messages are valid by construction."""
+    body = to_plain(msg)
+    body["proto"] = PROTO
+    body["type"] = msg.TYPE
+    return msgpack.packb(body, use_bin_type=True)  # type: ignore[no-any-return]
+
+
+def decode(data: bytes, *, bus: str | None = None) -> Message:
+    """Turn bytes from a socket into a message. Never unpickles.
+
+    Args:
+        data: one frame as received.
+        bus: when given, a message of another bus is refused (HELLO and INSPECT may
+            carry an empty bus).
+
+    Raises:
+        ProtocolError: `data` is not a valid message of this protocol (malformed
+            msgpack, wrong `proto`, foreign `bus`, unknown `type`, field of the wrong
+            type or out of range). Any other exception is a bug.
+    """
+    if not isinstance(data, bytes | bytearray | memoryview):
+        raise ProtocolError(f"expected bytes, got {type(data).__name__}")
+    if len(data) > MAX_MESSAGE:
+        raise ProtocolError(f"message of {len(data)} bytes exceeds {MAX_MESSAGE}")
+    try:
+        raw = msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True)
+    except (ValueError, msgpack.UnpackException, RecursionError) as exc:
+        raise ProtocolError(f"not a msgpack message: {type(exc).__name__}: {exc}") from exc
+    if type(raw) is not dict:
+        raise ProtocolError(f"expected a msgpack map, got {type(raw).__name__}")
+    if raw.get("proto") != PROTO or type(raw.get("proto")) is not int:
+        raise ProtocolError(f"protocol {str(raw.get('proto'))[:20]!r}, expected {PROTO}")
+    kind = raw.get("type")
+    cls = MESSAGE_TYPES.get(kind) if type(kind) is str else None
+    if cls is None:
+        raise ProtocolError(f"unknown message type {str(kind)[:40]!r}")
+    msg: Message = _build(cls, raw, kind, skip=("proto", "type"))
+    if bus is not None and msg.bus != bus and not (isinstance(msg, Hello | Inspect) and not msg.bus):
+        raise ProtocolError(f"{kind} from foreign bus {msg.bus!r} (this bus is {bus!r})")
+    return msg

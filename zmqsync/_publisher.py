@@ -1,0 +1,650 @@
+"""The trainer side: `Publisher` and the `Publish` handle returned by `publish()`.
+
+Invariants:
+
+* **A slot a live subscriber holds is never written** (`Registry.free_slot`); with
+  slots=1 alias readers are protected by the seqlock instead.
+* Versions strictly increase; `start()` publishes version 0.
+* Only the agent thread touches the sockets. The user's thread writes the buffer, then
+  asks the agent (over an inproc pipe) to announce the version; acks come back through
+  the `Registry`, under one lock and condition.
+* Every wait has a deadline: a publish builds one and spends it on finding a free slot
+  and on collecting every ack.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import secrets
+import threading
+import time
+import warnings
+from collections import Counter
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import zmq
+
+from . import _config
+from ._buffers import CpuSegment, collect_garbage, segment_name
+from ._deadline import Deadline
+from ._errors import ClosedError, ProtocolError, PublishTimeout, ZmqSyncError
+from ._layout import Key, Layout, flatten
+from ._protocol import (
+    Ack,
+    Bye,
+    Error,
+    Heartbeat,
+    Hello,
+    Inspect,
+    Message,
+    Receive,
+    State,
+    Stop,
+    Welcome,
+    WorkerState,
+    decode,
+    encode,
+)
+from ._registry import Registry, WorkerInfo
+from ._sockets import bind, connect, sibling_endpoint
+
+__all__ = ["DEFAULT", "Publish", "Publisher"]
+
+log = logging.getLogger(__name__)
+
+
+class _Default:
+    """Sentinel: 'use the object's configured timeout' (None means no limit)."""
+
+    def __repr__(self) -> str:
+        return "DEFAULT"
+
+
+DEFAULT: Any = _Default()
+XPUB_WELCOME = b"\x00zmqsync-subscribed"  # first frame a new SUB gets: its subscription is live
+
+
+class Publish:
+    """The handle of one published version: who acked, who is missing, how long it took."""
+
+    def __init__(self, pub: Publisher, version: int, targets: tuple[str, ...]) -> None:
+        self.version = version
+        self.targets = targets
+        self._pub = pub
+        self._started = time.perf_counter()
+        self._finished: float | None = None
+        self._missing: tuple[str, ...] | None = None
+        self._evicted: tuple[str, ...] = ()
+
+    @property
+    def missing(self) -> tuple[str, ...]:
+        """Targets that have not acked (evicted ones included, once evicted)."""
+        if self._missing is not None:
+            return self._missing
+        with self._pub._cond:
+            return tuple(self._pub._registry.missing(self.version, self.targets))
+
+    @property
+    def acked(self) -> tuple[str, ...]:
+        gone = set(self.missing)
+        return tuple(w for w in self.targets if w not in gone)
+
+    @property
+    def seconds(self) -> float:
+        """From publish() to the last ack (or to now, while in flight)."""
+        end = self._finished if self._finished is not None else time.perf_counter()
+        return end - self._started
+
+    def done(self) -> bool:
+        return self._finished is not None or not self.missing
+
+    def wait(self, timeout: float | None = DEFAULT) -> Publish:
+        """Block until every target acked, then return self.
+
+        Args:
+            timeout: seconds; left out: the publisher's `timeout`; None: no limit.
+
+        Raises:
+            PublishTimeout: with on_timeout="raise", some targets did not ack in time
+                (`.missing` names them). With "evict" they are dropped instead, listed in
+                `.missing`, and wait() returns.
+        """
+        return self._pub._wait(self, Deadline(self._pub._timeout if timeout is DEFAULT else timeout))
+
+    def _finish(self, missing: Iterable[str] = ()) -> None:
+        if self._finished is None:
+            self._finished = time.perf_counter()
+            self._missing = tuple(missing)
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else f"waiting for {len(self.missing)}"
+        return f"<Publish v{self.version} {state} {self.seconds * 1e3:.2f} ms>"
+
+
+class Publisher:
+    """Publishes versions of a model's weights to every subscriber on the host.
+
+    Args:
+        weights: an nn.Module (parameters and buffers are re-read at each publish), a
+            TensorDict or a state_dict.
+        address: control address; None: ``ipc://<runtime dir>/<name>.sock``.
+        name: bus name, used for the default address and segment names.
+        slots: copies of the model in the shared buffer (>= 1). More slots let
+            publishes overlap slow alias-mode workers.
+        timeout: default deadline (s) for a publish to collect its acks.
+        on_timeout: "raise" (PublishTimeout) or "evict" (drop the missing workers).
+        heartbeat: heartbeat interval (s); a worker silent for ~6 beats is dropped.
+        shm_dir: tmpfs directory for segments (default $ZMQSYNC_SHM_DIR or /dev/shm).
+        tap: reserved for the bus sniffer.
+    """
+
+    def __init__(
+        self,
+        weights: Any,
+        address: str | None = None,
+        *,
+        name: str = "weights",
+        slots: int = 2,
+        timeout: float | None = 10.0,
+        on_timeout: str = "raise",
+        heartbeat: float = 0.5,
+        shm_dir: str | None = None,
+        tap: bool = False,
+    ) -> None:
+        self.name = _config.check_name(name)
+        if not 1 <= slots <= 64:
+            raise ValueError(f"slots must be between 1 and 64, not {slots}")
+        if on_timeout not in ("raise", "evict"):
+            raise ValueError(f'on_timeout must be "raise" or "evict", not {on_timeout!r}')
+        if not 0.001 <= heartbeat <= 3600:
+            raise ValueError(f"heartbeat must be in [0.001, 3600] seconds, not {heartbeat}")
+        Deadline(timeout)  # validates
+        self._source = weights
+        flat = flatten(weights)
+        self._layout = Layout.of(flat)
+        self._devices = {str(t.device) for t in flat.values()}
+        if self._devices != {"cpu"}:
+            raise NotImplementedError(
+                f"weights on {sorted(self._devices)}: this version publishes CPU tensors only; "
+                "move the model to the CPU (or publish model.to('cpu') state) for now"
+            )
+        self._address_arg = address
+        self._slots = slots
+        self._timeout = timeout
+        self._on_timeout = on_timeout
+        self._heartbeat = heartbeat
+        self._shm_dir = _config.shm_dir(shm_dir)
+        self._tap = tap
+        self.bus = secrets.token_hex(8)
+        self.address = ""
+        self._registry = Registry(slots)
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)
+        self._publish_lock = threading.Lock()
+        self._pipe_lock = threading.Lock()
+        self._counters: Counter[str] = Counter()
+        self._state = "new"  # new -> started -> closed
+        self._failure: BaseException | None = None
+        self._agent: _Agent | None = None
+        self._segment: CpuSegment | None = None
+        self._slot_views: list[dict[Key, torch.Tensor]] = []
+        self._resources = contextlib.ExitStack()
+
+    # --- lifecycle -----------------------------------------------------------------
+
+    def start(self) -> Publisher:
+        """Create the buffer, bind the sockets, publish version 0. Returns self.
+
+        Raises:
+            SharedMemoryFull: the shm dir has no room for `slots` copies of the model.
+            ZmqSyncError: another publisher already serves this address.
+            ClosedError: the publisher was closed (create a new one).
+        """
+        if self._state == "closed":
+            raise ClosedError(f"Publisher {self.name!r} is closed; create a new one")
+        if self._state == "started":
+            return self
+        with contextlib.ExitStack() as stack:
+            self.address = self._address_arg or _config.default_address(self.name)
+            _refuse_if_served(self.address)
+            os.makedirs(self._shm_dir, exist_ok=True)
+            collect_garbage(self._shm_dir)
+            seg_name = segment_name(self.name, self.bus)
+            self._segment = stack.enter_context(
+                CpuSegment(self._shm_dir, seg_name, slots=self._slots,
+                           slot_bytes=self._layout.slot_bytes)
+            )
+            self._slot_views = [self._layout.views(self._segment.slot(i)) for i in range(self._slots)]
+            self._write(0, 0, flatten(self._source))
+            self._registry.record(0, 0)
+            self._agent = _Agent(self)
+            self._agent.start()
+            stack.callback(self._agent.stop)
+            self._resources = stack.pop_all()
+        self._state = "started"
+        log.info("publisher %r started at %s (%d tensors, %.1f MiB, %d slots)", self.name,
+                 self.address, len(self._layout.specs), self._layout.nbytes / 2**20, self._slots)
+        return self
+
+    def close(self) -> None:
+        """Broadcast STOP, wait briefly for BYEs, unlink the segments. Idempotent."""
+        if self._state != "started":
+            self._state = "closed"
+            return
+        self._state = "closed"
+        if self._agent is not None:
+            self._agent.command(b"stop")
+        self._resources.close()
+        self._slot_views = []
+        log.info("publisher %r closed at version %d", self.name, self._registry.latest)
+
+    def __enter__(self) -> Publisher:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if getattr(self, "_state", "closed") == "started":
+            warnings.warn(f"unclosed {self!r}", ResourceWarning, stacklevel=1)
+            with contextlib.suppress(Exception):
+                self.close()
+
+    def __repr__(self) -> str:
+        return (f"<Publisher {self.name!r} v{self._registry.latest} {self.address or '-'} "
+                f"{len(self._registry.members)} workers {self._state}>")
+
+    # --- publishing ----------------------------------------------------------------
+
+    @property
+    def version(self) -> int:
+        """The last published version."""
+        return self._registry.latest
+
+    @property
+    def workers(self) -> dict[str, WorkerInfo]:
+        """Snapshot of the workers on the bus."""
+        with self._lock:
+            return self._registry.infos(time.time() - time.monotonic())
+
+    @property
+    def counters(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counters)
+
+    def publish(
+        self,
+        weights: Any = None,
+        *,
+        wait: bool = True,
+        workers: Iterable[str] | None = None,
+        timeout: float | None = DEFAULT,
+    ) -> Publish:
+        """Write a new version into a free slot, announce it, and (by default) wait for acks.
+
+        Args:
+            weights: tensors to publish instead of re-reading the source (same keys,
+                shapes, dtypes).
+            wait: False returns at once; call `Publish.wait` later.
+            workers: only these workers must ack (the others still get the version).
+            timeout: one deadline for the whole publish; left out: the publisher's.
+
+        Raises:
+            LayoutMismatch: `weights` has other keys, shapes or dtypes.
+            PublishTimeout: with on_timeout="raise", workers did not ack (or still held
+                every slot) before the deadline.
+            ClosedError: the publisher is not started.
+        """
+        self._check_usable()
+        deadline = Deadline(self._timeout if timeout is DEFAULT else timeout)
+        flat = flatten(self._source if weights is None else weights)
+        self._layout.check(flat)
+        with self._publish_lock:
+            slot = self._claim_slot(deadline)
+            version = self._registry.latest + 1
+            self._write(slot, version, flat)
+            with self._cond:
+                self._registry.record(version, slot)
+                members = self._registry.members
+                targets = tuple(members) if workers is None else tuple(w for w in workers)
+                self._counters["publishes"] += 1
+            self._agent.command(b"announce %d %d" % (version, slot))  # type: ignore[union-attr]
+        handle = Publish(self, version, targets)
+        log.debug("published v%d into slot %d for %d workers", version, slot, len(targets))
+        return self._wait(handle, deadline) if wait else handle
+
+    def wait_for_workers(self, n: int, timeout: float | None = DEFAULT) -> bool:
+        """Block until `n` workers are on the bus; False if the deadline passed first."""
+        deadline = Deadline(self._timeout if timeout is DEFAULT else timeout)
+        with self._cond:
+            while len(self._registry.members) < n:
+                self._check_usable()
+                if deadline.expired():
+                    return False
+                self._cond.wait(deadline.wait_s(0.5))
+        return True
+
+    # --- internals (user thread) ---------------------------------------------------
+
+    def _check_usable(self) -> None:
+        if self._failure is not None:
+            raise ZmqSyncError(f"publisher {self.name!r} agent failed: {self._failure!r}") from self._failure
+        if self._state != "started":
+            state = "closed" if self._state == "closed" else "not started"
+            raise ClosedError(f"Publisher {self.name!r} is {state}; call start() on a new one")
+
+    def _write(self, slot: int, version: int, flat: dict[Key, torch.Tensor]) -> None:
+        assert self._segment is not None
+        header = self._segment.header
+        views = self._slot_views[slot]
+        header.begin_write(slot)
+        with torch.no_grad():
+            for key, view in views.items():
+                view.copy_(flat[key])
+        header.end_write(slot, version)
+        header.set_latest(version, slot)
+
+    def _claim_slot(self, deadline: Deadline) -> int:
+        with self._cond:
+            while (slot := self._registry.free_slot()) is None:
+                self._check_usable()
+                if deadline.expired():
+                    blockers = self._registry.blockers()
+                    self._on_deadline(self._registry.latest + 1, (), blockers, "still hold every slot")
+                    continue
+                self._cond.wait(deadline.wait_s(0.5))
+            return slot
+
+    def _wait(self, handle: Publish, deadline: Deadline) -> Publish:
+        with self._cond:
+            while missing := self._registry.missing(handle.version, handle.targets):
+                self._check_usable()
+                if deadline.expired():
+                    acked = [w for w in handle.targets if w not in missing]
+                    self._on_deadline(handle.version, acked, missing, "did not ack")
+                    handle._finish(missing)
+                    return handle
+                self._cond.wait(deadline.wait_s(0.5))
+        handle._finish()
+        return handle
+
+    def _on_deadline(self, version: int, acked: Iterable[str], missing: list[str], what: str) -> None:
+        """trio's fail_after ("raise") versus move_on_after ("evict"): same deadline."""
+        self._counters["timeouts"] += 1
+        if self._on_timeout == "raise":
+            raise PublishTimeout(
+                f"version {version}: {len(missing)} worker(s) {what} in time "
+                f"({', '.join(missing[:8])}); they may have died or be stuck — pass "
+                'on_timeout="evict" to continue without them',
+                version=version, acked=acked, missing=missing,
+            )
+        evicted = self._registry.evict(missing)
+        self._counters["evictions"] += len(evicted)
+        log.info("evicted %d worker(s) at version %d: %s", len(evicted), version, ", ".join(missing))
+        for member in evicted:
+            self._agent.command(b"evict " + member.session.encode())  # type: ignore[union-attr]
+        self._cond.notify_all()
+
+
+def _refuse_if_served(address: str) -> None:
+    """Binding an ipc:// path silently steals it; ask first whether someone answers."""
+    if not address.startswith("ipc://") or not os.path.exists(address[len("ipc://"):]):
+        return
+    ctx = zmq.Context()
+    try:
+        req = connect(ctx, zmq.REQ, address)
+        req.send(encode(Inspect("")))
+        answered = bool(req.poll(200) & zmq.POLLIN)
+        req.close()
+    finally:
+        ctx.destroy(linger=0)
+    if answered:
+        raise ZmqSyncError(
+            f"a publisher already serves {address}; close it, or use another name/address"
+        )
+
+
+class _Agent:
+    """The thread that owns the publisher's sockets (control, events, acks)."""
+
+    def __init__(self, pub: Publisher) -> None:
+        self.pub = pub
+        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self.seq = 0
+        self._closing: Deadline | None = None
+        self._started = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"zmqsync-pub-{pub.name}", daemon=True)
+        self._pipe_in = self.ctx.socket(zmq.PAIR)
+        self._pipe_in.linger = 0
+        self._pipe_addr = f"inproc://zmqsync-pipe-{id(self)}"
+        self._pipe_in.bind(self._pipe_addr)
+        self._failure: BaseException | None = None
+
+    def start(self) -> None:
+        self._thread.start()
+        if not self._started.wait(10.0) or self._failure is not None:
+            failure = self._failure
+            self.stop()
+            raise failure or ZmqSyncError("publisher agent did not start within 10 s")
+
+    def command(self, cmd: bytes) -> None:
+        with self.pub._pipe_lock:
+            if not self._pipe_in.closed:
+                self._pipe_in.send(cmd)
+
+    def stop(self) -> None:
+        if self._thread.is_alive():
+            self.command(b"stop")
+            self._thread.join(_config.CLOSE_BYE_WAIT_S + _config.THREAD_JOIN_S)
+            if self._thread.is_alive():
+                log.warning("publisher agent thread did not stop within its deadline")
+        with self.pub._pipe_lock:
+            self._pipe_in.close()
+        self.ctx.destroy(linger=0)
+
+    # --- the loop (agent thread) ---
+
+    def _run(self) -> None:
+        try:
+            self._bind()
+        except BaseException as exc:  # reported to start() on the user's thread
+            self._failure = exc
+            self._started.set()
+            return
+        self._started.set()
+        try:
+            self._loop()
+        except BaseException as exc:
+            log.exception("publisher agent failed")
+            self.pub._failure = exc
+            with self.pub._cond:
+                self.pub._cond.notify_all()
+        finally:
+            for sock in (self.pipe, self.control, self.events, self.acks):
+                sock.close()
+
+    def _bind(self) -> None:
+        address = self.pub.address
+        self.pipe = self.ctx.socket(zmq.PAIR)
+        self.pipe.linger = 0
+        self.pipe.connect(self._pipe_addr)
+        self.control = bind(self.ctx, zmq.REP, address)
+        self.events = self.ctx.socket(zmq.XPUB)
+        self.events.linger = 0
+        self.events.setsockopt(zmq.XPUB_WELCOME_MSG, XPUB_WELCOME)
+        self.events.setsockopt(zmq.SNDHWM, 100_000)
+        self.events.bind(sibling_endpoint(address, "events"))
+        self.acks = bind(self.ctx, zmq.PULL, sibling_endpoint(address, "acks"))
+        for sock in (self.events, self.acks):
+            if address.startswith("ipc://"):
+                os.chmod(sock.last_endpoint.decode()[len("ipc://"):], 0o600)
+
+    def _loop(self) -> None:
+        poller = zmq.Poller()
+        for sock in (self.pipe, self.control, self.acks, self.events):
+            poller.register(sock, zmq.POLLIN)
+        beat = self.pub._heartbeat
+        next_beat = time.monotonic()
+        while True:
+            ready = dict(poller.poll(max(0, int((next_beat - time.monotonic()) * 1000)) + 1))
+            if self.pipe in ready and not self._on_commands():
+                return
+            if self.control in ready:
+                self._on_request()
+            if self.acks in ready:
+                self._on_acks()
+            if self.events in ready:
+                self._drain_subscriptions()
+            now = time.monotonic()
+            if now >= next_beat:
+                self._beat(now)
+                next_beat = now + beat
+            if self._closing is not None and (self._closing.expired() or not self.pub._registry.members):
+                return
+
+    def _send_event(self, msg: Message) -> None:
+        self.events.send(encode(msg))
+
+    def _on_commands(self) -> bool:
+        while self.pipe.poll(0):
+            cmd = self.pipe.recv().split()
+            if cmd[0] == b"announce":
+                self.seq += 1
+                self._send_event(Receive(self.pub.bus, self.seq, int(cmd[1]), int(cmd[2])))
+            elif cmd[0] == b"evict":
+                self.seq += 1
+                self._send_event(Stop(self.pub.bus, self.seq, cmd[1].decode(), "evicted"))
+            elif cmd[0] == b"stop" and self._closing is None:
+                self.seq += 1
+                self._send_event(Stop(self.pub.bus, self.seq, "", "publisher closed"))
+                self._closing = Deadline(_config.CLOSE_BYE_WAIT_S)
+        return True
+
+    def _on_request(self) -> None:
+        frames = self.control.recv_multipart()
+        reply: Message
+        try:
+            if len(frames) != 1:
+                raise ProtocolError(f"expected one frame, got {len(frames)}")
+            msg = decode(frames[0], bus=self.pub.bus)
+            if isinstance(msg, Hello):
+                reply = self._welcome(msg)
+            elif isinstance(msg, Inspect):
+                reply = self._state()
+            else:
+                raise ProtocolError(f"{msg.TYPE} is not a request")
+        except ProtocolError as exc:
+            self._count("rejected")
+            log.debug("rejected request: %s", exc)
+            reply = Error(self.pub.bus, str(exc)[:1024])
+        self.control.send(encode(reply))
+
+    def _welcome(self, hello: Hello) -> Welcome:
+        pub = self.pub
+        if self._closing is not None:
+            raise ProtocolError("the publisher is closing")
+        if hello.transport != "cpu":
+            raise ProtocolError(f"transport {hello.transport} is not offered by this bus")
+        with pub._cond:
+            session = secrets.token_hex(8)
+            replaced = hello.worker_id in pub._registry.members
+            pub._registry.join(hello, session, time.monotonic())
+            version = pub._registry.latest
+            slot = pub._registry.slot_of(version)
+            pub._counters["handshakes"] += 1
+            pub._cond.notify_all()
+        log.info("worker %s joined (pid %d, %s, %s)%s", hello.worker_id, hello.pid, hello.host,
+                 hello.mode, " replacing an older process" if replaced else "")
+        assert pub._segment is not None
+        return Welcome(
+            bus=pub.bus, session=session, seq=self.seq, version=version, slot=slot,
+            slots=pub._slots, slot_bytes=pub._layout.slot_bytes, heartbeat=pub._heartbeat,
+            events=self.events.last_endpoint.decode(), acks=self.acks.last_endpoint.decode(),
+            tap="", buffers=(pub._segment.describe(),), manifest=pub._layout.specs,
+        )
+
+    def _state(self) -> State:
+        pub = self.pub
+        assert pub._segment is not None
+        now = time.monotonic()
+        with pub._lock:
+            workers = tuple(
+                WorkerState(m.worker_id, m.pid, m.host, m.mode, m.transport, m.acked,
+                            max(0.0, now - m.last_seen))
+                for m in pub._registry.members.values()
+            )
+            return State(
+                bus=pub.bus, name=pub.name, pid=os.getpid(), version=pub._registry.latest,
+                seq=self.seq, slots=pub._slots, slot_versions=tuple(pub._registry.slot_versions),
+                heartbeat=pub._heartbeat, tap="", buffers=(pub._segment.describe(),),
+                manifest=pub._layout.specs, workers=workers, counters=dict(pub._counters),
+            )
+
+    def _on_acks(self) -> None:
+        pub, now, changed = self.pub, time.monotonic(), False
+        for _ in range(_config.ACK_DRAIN_MAX):
+            try:
+                frames = self.acks.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            try:
+                if len(frames) != 1:
+                    raise ProtocolError(f"expected one frame, got {len(frames)}")
+                msg = decode(frames[0], bus=pub.bus)
+            except ProtocolError as exc:
+                self._count("rejected")
+                log.debug("dropped message on acks: %s", exc)
+                continue
+            with pub._cond:
+                changed |= self._on_worker_message(msg, now)
+        if changed:
+            with pub._cond:
+                pub._cond.notify_all()
+
+    def _on_worker_message(self, msg: Message, now: float) -> bool:
+        reg = self.pub._registry
+        if isinstance(msg, Ack):
+            ok = reg.ack(msg.worker_id, msg.session, msg.version, now)
+            self._count("acks" if ok else "stale")
+            return ok
+        if isinstance(msg, Heartbeat):
+            if not reg.seen(msg.worker_id, msg.session, now):
+                self._count("stale")
+            return False
+        if isinstance(msg, Bye):
+            if reg.leave(msg.worker_id, msg.session) is not None:
+                log.info("worker %s left", msg.worker_id)
+                return True
+            return False
+        self._count("rejected")
+        return False
+
+    def _beat(self, now: float) -> None:
+        pub = self.pub
+        self._send_event(Heartbeat(pub.bus, self.seq, "", "", pub._registry.latest))
+        limit = pub._heartbeat * _config.LOST_AFTER_BEATS
+        with pub._cond:
+            lost = pub._registry.evict(pub._registry.silent(now, limit))
+            if lost:
+                pub._counters["lost"] += len(lost)
+                pub._cond.notify_all()
+        for member in lost:
+            log.info("worker %s silent for %.1f s: dropped", member.worker_id, limit)
+            self.seq += 1
+            self._send_event(Stop(pub.bus, self.seq, member.session, "silent too long"))
+
+    def _drain_subscriptions(self) -> None:
+        for _ in range(_config.ACK_DRAIN_MAX):
+            try:
+                self.events.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+
+    def _count(self, what: str) -> None:
+        with self.pub._lock:
+            self.pub._counters[what] += 1
+

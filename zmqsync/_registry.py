@@ -1,0 +1,151 @@
+"""Who is on the bus, what each worker holds, which slots may be written. No I/O, no thread.
+
+The publisher's agent thread and its user-facing methods both drive this under one
+lock; tests drive it directly with an explicit `now`.
+
+Invariant: **a slot that a live worker may be reading, or (alias mode) computes with, is
+never handed out for writing** — except with slots=1, where the only slot must be
+rewritten under the seqlock while alias readers hold it (they detect it; see
+`Subscriber.reading`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from ._protocol import Hello
+
+__all__ = ["Member", "Registry", "WorkerInfo"]
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerInfo:
+    """A snapshot of one worker, as `Publisher.workers` reports it.
+
+    `version` is the last version it acknowledged (-1 before its first ack);
+    `last_seen` is a ``time.time()`` timestamp of its last message.
+    """
+
+    worker_id: str
+    pid: int
+    host: str
+    version: int
+    mode: str
+    transport: str
+    last_seen: float
+
+
+@dataclass(slots=True)
+class Member:
+    worker_id: str
+    session: str
+    pid: int
+    host: str
+    mode: str
+    transport: str
+    floor: int  # the version it was welcomed with: it never reads anything older
+    acked: int = -1
+    last_seen: float = 0.0  # monotonic
+
+    def busy_versions(self, latest: int) -> set[int] | range:
+        """Versions this worker may be reading now or (alias) computing with."""
+        start = self.floor if self.acked < self.floor else self.acked + 1
+        busy: set[int] | range = range(start, latest + 1)
+        if self.mode == "alias" and self.acked >= 0:
+            busy = set(busy) | {self.acked}
+        return busy
+
+
+class Registry:
+    """Members, slot contents and the slot-choice rule."""
+
+    def __init__(self, slots: int) -> None:
+        self.members: dict[str, Member] = {}
+        self.slot_versions = [-1] * slots
+        self.latest = -1
+
+    # --- membership ---
+
+    def join(self, hello: Hello, session: str, now: float) -> Member:
+        """Register (or replace: same id, new process) a worker welcomed at `latest`."""
+        member = Member(
+            hello.worker_id, session, hello.pid, hello.host, hello.mode, hello.transport,
+            floor=self.latest, last_seen=now,
+        )
+        self.members[hello.worker_id] = member
+        return member
+
+    def find(self, worker_id: str, session: str) -> Member | None:
+        """The live member with this id *and* session; stale incarnations get None."""
+        member = self.members.get(worker_id)
+        return member if member is not None and member.session == session else None
+
+    def ack(self, worker_id: str, session: str, version: int, now: float) -> bool:
+        member = self.find(worker_id, session)
+        if member is None or version > self.latest:
+            return False
+        member.last_seen = now
+        member.acked = max(member.acked, version)
+        return True
+
+    def seen(self, worker_id: str, session: str, now: float) -> bool:
+        member = self.find(worker_id, session)
+        if member is not None:
+            member.last_seen = now
+        return member is not None
+
+    def leave(self, worker_id: str, session: str) -> Member | None:
+        member = self.find(worker_id, session)
+        if member is not None:
+            del self.members[worker_id]
+        return member
+
+    def evict(self, worker_ids: Iterable[str]) -> list[Member]:
+        return [m for w in worker_ids if (m := self.members.pop(w, None)) is not None]
+
+    def silent(self, now: float, limit_s: float) -> list[str]:
+        return [w for w, m in self.members.items() if now - m.last_seen > limit_s]
+
+    # --- versions and slots ---
+
+    def record(self, version: int, slot: int) -> None:
+        self.slot_versions[slot] = version
+        self.latest = version
+
+    def slot_of(self, version: int) -> int:
+        return self.slot_versions.index(version)
+
+    def holders(self, slot: int) -> list[str]:
+        """Workers that stop `slot` from being written."""
+        version = self.slot_versions[slot]
+        single = len(self.slot_versions) == 1
+        return [
+            w
+            for w, m in self.members.items()
+            if version >= 0
+            and version in m.busy_versions(self.latest)
+            and not (single and m.mode == "alias" and m.acked == version)
+        ]
+
+    def free_slot(self) -> int | None:
+        """A slot that may be written now, oldest version first; None if all are held."""
+        order = sorted(range(len(self.slot_versions)), key=lambda s: self.slot_versions[s])
+        for slot in order:
+            if not self.holders(slot):
+                return slot
+        return None
+
+    def blockers(self) -> list[str]:
+        """Workers holding slots when none is free (the ones to blame or evict)."""
+        return sorted({w for s in range(len(self.slot_versions)) for w in self.holders(s)})
+
+    def missing(self, version: int, targets: Iterable[str]) -> list[str]:
+        """Targets still on the bus that have not acknowledged `version`."""
+        return [w for w in targets if w in self.members and self.members[w].acked < version]
+
+    def infos(self, wall_offset: float) -> dict[str, WorkerInfo]:
+        return {
+            w: WorkerInfo(w, m.pid, m.host, m.acked, m.mode, m.transport, m.last_seen + wall_offset)
+            for w, m in self.members.items()
+        }

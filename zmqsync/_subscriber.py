@@ -1,0 +1,602 @@
+"""The worker side: `Subscriber`.
+
+The link to the publisher is the ZeroMQ Guide's Clone client:
+
+1. HELLO -> WELCOME over a fresh REQ socket per attempt (Lazy Pirate): endpoints,
+   manifest, buffer, current version and the seq of the last event sent.
+2. Connect SUB to the events endpoint and wait for the publisher's XPUB welcome frame:
+   from then on no event can be missed. Map the buffer read-only.
+3. ``last_seq = WELCOME.seq``; apply the current version (or a newer one the header
+   already announces: it may have gone out before the subscription was live); ACK.
+4. In the loop drop events with ``seq <= last_seq``; a gap (a heartbeat announcing a
+   newer seq) is repaired from the header, which always names the latest version. Any
+   message resets the liveness deadline; silence or STOP makes the link LOST, and the
+   agent re-handshakes by itself when a publisher answers again (a new ``bus`` id means
+   new buffers).
+
+Only the agent thread touches the sockets. In ``apply="manual"`` mode it only records the
+newest version; the user's thread applies it inside `poll()` and asks the agent to ACK.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import logging
+import os
+import socket
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import zmq
+
+from . import _config
+from ._apply import Target
+from ._buffers import CpuAttachment
+from ._deadline import Deadline
+from ._errors import ClosedError, ConnectTimeout, ProtocolError, ZmqSyncError
+from ._layout import Key, Layout
+from ._protocol import Ack, Bye, Error, Heartbeat, Hello, Receive, Stop, Welcome, decode, encode
+from ._publisher import DEFAULT, XPUB_WELCOME
+from ._sockets import connect, request
+
+__all__ = ["Reading", "Subscriber"]
+
+log = logging.getLogger(__name__)
+_APPLY_ATTEMPTS = 100
+
+
+class _Link(enum.Enum):
+    # NEW: start() not called yet.
+    NEW = 0
+    # ACTIVE: WELCOME applied; applying RECEIVEs in seq order.
+    ACTIVE = 1
+    # LOST: silence for ~6 beats, STOP, or eviction: keep the last whole version, report
+    #       connected == False, try a new handshake once per heartbeat.
+    LOST = 2
+    CLOSED = 3
+
+
+@dataclass
+class Reading:
+    """What `Subscriber.reading()` yields: the version read and, afterwards, `torn`."""
+
+    version: int
+    torn: bool = False
+
+
+@dataclass(frozen=True)
+class _Offer:
+    bus: str
+    version: int
+    slot: int
+
+
+class Subscriber:
+    """Receives versions of a model's weights from a `Publisher` on this host.
+
+    Args:
+        address: control address; None: the default address for `name`.
+        model: nn.Module or TensorDict to keep updated; None: use `weights`.
+        name: bus name (for the default address).
+        mode: "copy" (the model keeps its tensors) or "alias" (zero-copy views).
+        apply: "background" (a thread applies on arrival) or "manual" (`poll()`).
+        worker_id: default "<hostname>-<pid>".
+        device: where tensors live when `model` is None (copy mode).
+        timeout: handshake deadline (s); also the default for waits.
+        on_update: callable(version) run after each apply, before the ack.
+        shm_dir: where the publisher's segments are (default $ZMQSYNC_SHM_DIR or /dev/shm).
+    """
+
+    def __init__(
+        self,
+        address: str | None = None,
+        model: Any = None,
+        *,
+        name: str = "weights",
+        mode: str = "copy",
+        apply: str = "background",
+        worker_id: str | None = None,
+        device: str | None = None,
+        timeout: float | None = 10.0,
+        on_update: Callable[[int], None] | None = None,
+        shm_dir: str | None = None,
+    ) -> None:
+        if mode not in ("copy", "alias"):
+            raise ValueError(f'mode must be "copy" or "alias", not {mode!r}')
+        if apply not in ("background", "manual"):
+            raise ValueError(f'apply must be "background" or "manual", not {apply!r}')
+        self.name = _config.check_name(name)
+        self._address_arg = address
+        self.address = ""
+        self.model = model
+        self.mode = mode
+        self.apply = apply
+        self.worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}"
+        self._device = device
+        self._timeout = timeout
+        self._on_update = on_update
+        self._shm_dir = _config.shm_dir(shm_dir)
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)
+        self._apply_lock = threading.Lock()
+        self._link = _Link.NEW
+        self._failure: BaseException | None = None
+        self._stopped = False  # the publisher said STOP (bus closed)
+        self._bus = ""
+        self._version = -1
+        self._version_bus = ""
+        self._pending: _Offer | None = None
+        self._held: tuple[int, int] | None = None  # (slot, seqlock counter) aliased now
+        self._target: Target | None = None
+        self._attachment: CpuAttachment | None = None
+        self._views: list[dict[Key, torch.Tensor]] = []
+        self._agent: _Agent | None = None
+        self.counters: dict[str, int] = {"applied": 0, "rejected": 0, "foreign": 0, "gaps": 0}
+
+    # --- lifecycle -----------------------------------------------------------------
+
+    def start(self) -> Subscriber:
+        """Handshake, apply the current version, then ack. Returns self.
+
+        Raises:
+            ConnectTimeout: no publisher answered within `timeout`.
+            LayoutMismatch: `model` does not match what the bus carries.
+            ProtocolError: the publisher's answer is not valid (or it refused us).
+            BufferUnavailable: its segment cannot be mapped here (shm dir differs).
+        """
+        if self._link == _Link.CLOSED:
+            raise ClosedError(f"Subscriber {self.name!r} is closed; create a new one")
+        if self._link != _Link.NEW:
+            return self
+        self.address = self._address_arg or _config.default_address(self.name)
+        self._agent = _Agent(self)
+        self._agent.start(Deadline(self._timeout))
+        log.info("subscriber %s joined %s at version %d (%s/%s)", self.worker_id,
+                 self.address, self._version, self.mode, self.apply)
+        return self
+
+    def close(self) -> None:
+        """Send BYE, release the slot, unmap. Idempotent; the model keeps its weights."""
+        if self._link == _Link.CLOSED:
+            return
+        self._link = _Link.CLOSED
+        if self._agent is not None:
+            self._agent.stop()
+        if self._attachment is not None:
+            self._attachment.close()
+        with self._cond:
+            self._cond.notify_all()
+
+    def __enter__(self) -> Subscriber:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if getattr(self, "_link", _Link.CLOSED) not in (_Link.CLOSED, _Link.NEW):
+            warnings.warn(f"unclosed {self!r}", ResourceWarning, stacklevel=1)
+            with contextlib.suppress(Exception):
+                self.close()
+
+    def __repr__(self) -> str:
+        link = "connected" if self.connected else self._link.name.lower()
+        return f"<Subscriber {self.name!r} v{self._version} {self.mode}/{self.apply} {link}>"
+
+    # --- what the worker uses ------------------------------------------------------
+
+    @property
+    def version(self) -> int:
+        """The version the model now computes with (-1 before start)."""
+        return self._version
+
+    @property
+    def connected(self) -> bool:
+        """False while the publisher is unreachable (the last version stays in use)."""
+        return self._link == _Link.ACTIVE
+
+    @property
+    def stopped(self) -> bool:
+        """True after the publisher closed the bus (until a new publisher answers)."""
+        return self._stopped
+
+    @property
+    def weights(self) -> Any:
+        """TensorDict of the current weights (the model's own tensors, or views)."""
+        if self._target is None:
+            raise ClosedError(f"Subscriber {self.name!r} is not started")
+        return self._target.weights()
+
+    def poll(self, timeout: float | None = 0.0) -> bool:
+        """Manual mode: apply the newest pending version. True if one was applied.
+
+        Args:
+            timeout: how long to wait for a version to arrive (0: do not wait).
+        """
+        self._check_usable()
+        if self.apply != "manual":
+            return False
+        deadline = Deadline(timeout)
+        with self._cond:
+            while self._pending is None:
+                if deadline.expired() or self._link == _Link.CLOSED:
+                    return False
+                self._cond.wait(deadline.wait_s(0.5))
+                self._check_usable()
+            offer, self._pending = self._pending, None
+        applied = self._apply_offer(offer)
+        if applied is not None and self._agent is not None:
+            self._agent.command(b"ack %d %s" % (applied, offer.bus.encode()))
+        return applied is not None
+
+    def wait_for_version(self, version: int, timeout: float | None = DEFAULT) -> bool:
+        """Block until `version` (or newer) is applied; False if the deadline passed.
+
+        In manual mode this applies pending versions itself (it is a safe point).
+        """
+        deadline = Deadline(self._timeout if timeout is DEFAULT else timeout)
+        while self._version < version:
+            self._check_usable()
+            if deadline.expired():
+                return False
+            if self.apply == "manual":
+                self.poll(deadline.wait_s(0.5))
+            else:
+                with self._cond:
+                    if self._version < version:
+                        self._cond.wait(deadline.wait_s(0.5))
+        return True
+
+    def wait_for_stop(self, timeout: float | None = DEFAULT) -> bool:
+        """Block until the publisher closes the bus; False if the deadline passed first."""
+        deadline = Deadline(self._timeout if timeout is DEFAULT else timeout)
+        with self._cond:
+            while not self._stopped:
+                self._check_usable()
+                if deadline.expired():
+                    return False
+                self._cond.wait(deadline.wait_s(0.5))
+        return True
+
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[Reading]:
+        """Check that aliased weights were not rewritten while the block read them.
+
+        Only needed in alias mode with slots=1 (or after this worker was evicted): then
+        the publisher may rewrite the slot this worker computes with, and ``torn`` tells
+        that the block's results must be discarded. Copy mode is never torn.
+        """
+        with self._lock:
+            held, version, attachment = self._held, self._version, self._attachment
+        reading = Reading(version)
+        try:
+            yield reading
+        finally:
+            if self.mode == "alias" and held is not None and attachment is not None:
+                reading.torn = not attachment.header.read_valid(*held)
+
+    # --- internals -----------------------------------------------------------------
+
+    def _check_usable(self) -> None:
+        if self._failure is not None:
+            raise ZmqSyncError(f"subscriber agent failed: {self._failure!r}") from self._failure
+        if self._link in (_Link.CLOSED, _Link.NEW):
+            state = "closed" if self._link == _Link.CLOSED else "not started"
+            raise ClosedError(f"Subscriber {self.name!r} is {state}")
+
+    def _offer(self, offer: _Offer) -> int | None:
+        """A version arrived (agent thread). Background: apply it now. Manual: keep it."""
+        if offer.bus == self._version_bus and offer.version <= self._version:
+            return None
+        if self.apply == "background":
+            return self._apply_offer(offer)
+        with self._cond:
+            self._pending = offer
+            self._cond.notify_all()
+        return None
+
+    def _apply_offer(self, offer: _Offer) -> int | None:
+        """Apply `offer` or a newer version; the version applied, or None (stale)."""
+        with self._apply_lock:
+            attachment, views, target = self._attachment, self._views, self._target
+            if attachment is None or target is None or offer.bus != self._bus:
+                return None  # re-handshaken since: a newer offer follows
+            header, version, slot = attachment.header, offer.version, offer.slot
+            for _ in range(_APPLY_ATTEMPTS):
+                if offer.bus == self._version_bus and version <= self._version:
+                    return None
+                counter = header.read_begin(slot, version)
+                if counter is None:  # the slot moved on: take the newest version
+                    latest = header.latest()
+                    if latest is None or (latest[0], latest[1]) == (version, slot):
+                        return None
+                    version, slot = latest
+                    continue
+                if self.mode == "copy":
+                    target.copy_from(views[slot])
+                    if not header.read_valid(slot, counter):
+                        continue
+                else:
+                    target.alias_to(views[slot])
+                with self._cond:
+                    self._held = (slot, counter) if self.mode == "alias" else None
+                    self._version, self._version_bus = version, offer.bus
+                    self.counters["applied"] += 1
+                    self._cond.notify_all()
+                if self._on_update is not None:
+                    self._on_update(version)
+                return version
+        raise ZmqSyncError(f"could not read a whole version after {_APPLY_ATTEMPTS} attempts")
+
+    def _adopt(self, welcome: Welcome) -> None:
+        """Map the buffers a WELCOME names and bind the model to its layout."""
+        info = welcome.buffers[0]
+        if info.kind != "cpu":
+            raise ProtocolError(f"buffer kind {info.kind} is not supported by this subscriber")
+        attachment = CpuAttachment.attach(
+            info, slots=welcome.slots, slot_bytes=welcome.slot_bytes, shm_dir=self._shm_dir
+        )
+        try:
+            layout = Layout(welcome.manifest, welcome.slot_bytes)
+            target = self._target
+            if target is None or welcome.bus != self._bus:
+                target = Target(self.model, layout, self.mode, self._device)
+            views = [layout.views(attachment.slot(i)) for i in range(welcome.slots)]
+        except BaseException:
+            attachment.close()
+            raise
+        with self._apply_lock:
+            old, self._attachment = self._attachment, attachment
+            self._views, self._target, self._bus = views, target, welcome.bus
+        if old is not None:
+            old.close()
+
+
+class _Agent:
+    """The thread that owns the subscriber's sockets (handshake REQ, events SUB, acks PUSH)."""
+
+    def __init__(self, sub: Subscriber) -> None:
+        self.sub = sub
+        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self.events: zmq.Socket[bytes] | None = None
+        self.acks: zmq.Socket[bytes] | None = None
+        self.session = ""
+        self.last_seq = 0
+        self.heartbeat = 0.5
+        self.last_heard = time.monotonic()
+        self._started = threading.Event()
+        self._startup: BaseException | None = None
+        self._deadline = Deadline(10.0)
+        self._pipe_lock = threading.Lock()
+        self._pipe_in = self.ctx.socket(zmq.PAIR)
+        self._pipe_in.linger = 0
+        self._pipe_addr = f"inproc://zmqsync-sub-{id(self)}"
+        self._pipe_in.bind(self._pipe_addr)
+        self._thread = threading.Thread(target=self._run, name=f"zmqsync-sub-{sub.name}", daemon=True)
+
+    def start(self, deadline: Deadline) -> None:
+        self._deadline = deadline
+        self._thread.start()
+        # The handshake itself is bounded by `deadline`; the margin covers the apply.
+        margin = deadline.remaining()
+        self._started.wait(None if margin is None else margin + 30.0)
+        if self._startup is not None or not self._started.is_set():
+            failure = self._startup or ConnectTimeout("subscriber did not start in time")
+            self.stop()
+            raise failure
+
+    def command(self, cmd: bytes) -> None:
+        with self._pipe_lock:
+            if not self._pipe_in.closed:
+                self._pipe_in.send(cmd)
+
+    def stop(self) -> None:
+        if self._thread.is_alive():
+            self.command(b"term")
+            self._thread.join(_config.THREAD_JOIN_S)
+            if self._thread.is_alive():
+                log.warning("subscriber agent thread did not stop within its deadline")
+        with self._pipe_lock:
+            self._pipe_in.close()
+        self.ctx.destroy(linger=0)
+
+    # --- agent thread ---
+
+    def _run(self) -> None:
+        sub = self.sub
+        self.pipe = self.ctx.socket(zmq.PAIR)
+        self.pipe.linger = 0
+        self.pipe.connect(self._pipe_addr)
+        try:
+            self._handshake(self._deadline, attempts=_config.HANDSHAKE_ATTEMPTS)
+        except BaseException as exc:
+            self._startup = exc
+            self._close_sockets()
+            self._started.set()
+            return
+        self._started.set()
+        try:
+            self._loop()
+        except BaseException as exc:
+            log.exception("subscriber agent failed")
+            sub._failure = exc
+        finally:
+            self._close_sockets()
+            with sub._cond:
+                sub._cond.notify_all()
+
+    def _close_sockets(self) -> None:
+        for sock in (self.pipe, self.events, self.acks):
+            if sock is not None:
+                sock.close()
+
+    def _handshake(self, deadline: Deadline, attempts: int) -> None:
+        sub = self.sub
+        hello = Hello("", sub.worker_id, os.getpid(), socket.gethostname(), sub.mode, "cpu")
+        reply = request(self.ctx, sub.address, hello, deadline=deadline, attempts=attempts)
+        if isinstance(reply, Error):
+            raise ProtocolError(f"the publisher at {sub.address} refused us: {reply.reason}")
+        if not isinstance(reply, Welcome):
+            raise ProtocolError(f"expected WELCOME, got {reply.TYPE}")
+        self._subscribe(reply.events, deadline)
+        sub._adopt(reply)
+        if self.acks is not None:
+            self.acks.close()
+        self.acks = connect(self.ctx, zmq.PUSH, reply.acks)
+        self.acks.setsockopt(zmq.SNDHWM, 10_000)
+        self.session, self.last_seq, self.heartbeat = reply.session, reply.seq, reply.heartbeat
+        self.last_heard = time.monotonic()
+        with sub._cond:
+            sub._link, sub._stopped = _Link.ACTIVE, False
+            sub._cond.notify_all()
+        assert sub._attachment is not None
+        offer = _Offer(reply.bus, reply.version, reply.slot)
+        latest = sub._attachment.header.latest()
+        if latest is not None and latest[0] > reply.version:
+            offer = _Offer(reply.bus, *latest)
+        first = not sub._version_bus
+        applied = sub._apply_offer(offer) if first else sub._offer(offer)
+        if applied is None and sub._version_bus == reply.bus:
+            applied = sub._version  # re-joined the same bus: already computing with it
+        if applied is not None:
+            self._ack(applied)
+
+    def _subscribe(self, endpoint: str, deadline: Deadline) -> None:
+        """Connect SUB and wait until the publisher confirms the subscription is live."""
+        if self.events is not None:
+            self.events.close()
+        self.events = connect(self.ctx, zmq.SUB, endpoint)
+        self.events.setsockopt(zmq.SUBSCRIBE, b"")
+        self.events.setsockopt(zmq.RCVHWM, 100_000)
+        while self.events.poll(deadline.poll_ms(cap_s=self.sub._timeout)) & zmq.POLLIN:
+            if self.events.recv() == XPUB_WELCOME:
+                return
+        raise ConnectTimeout(f"no subscription confirmation from {endpoint} in time")
+
+    def _loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.pipe, zmq.POLLIN)
+        registered = self.events
+        if registered is not None:
+            poller.register(registered, zmq.POLLIN)
+        next_beat = time.monotonic()
+        while True:
+            if self.events is not registered:  # re-handshaken: a new SUB socket
+                if registered is not None:
+                    with contextlib.suppress(KeyError):
+                        poller.unregister(registered)
+                registered = self.events
+                if registered is not None:
+                    poller.register(registered, zmq.POLLIN)
+            wait_ms = max(0, int((next_beat - time.monotonic()) * 1000)) + 1
+            ready = dict(poller.poll(wait_ms))
+            if self.pipe in ready and not self._on_commands():
+                return
+            if registered is not None and registered in ready:
+                self._on_events()
+            now = time.monotonic()
+            if now >= next_beat:
+                self._tick(now)
+                next_beat = now + self.heartbeat
+
+    def _on_commands(self) -> bool:
+        sub = self.sub
+        while self.pipe.poll(0):
+            cmd = self.pipe.recv().split()
+            if cmd[0] == b"term":
+                self._send(Bye(sub._bus, sub.worker_id, self.session), linger_ms=200)
+                return False
+            if cmd[0] == b"ack" and cmd[2].decode() == sub._bus:
+                self._ack(int(cmd[1]))
+        return True
+
+    def _on_events(self) -> None:
+        assert self.events is not None
+        for _ in range(_config.ACK_DRAIN_MAX):
+            try:
+                frame = self.events.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if frame != XPUB_WELCOME:
+                self._on_event(frame)
+
+    def _on_event(self, frame: bytes) -> None:
+        sub = self.sub
+        try:
+            msg = decode(frame)
+        except ProtocolError as exc:
+            sub.counters["rejected"] += 1
+            log.debug("dropped event: %s", exc)
+            return
+        if msg.bus != sub._bus:
+            sub.counters["foreign"] += 1
+            if isinstance(msg, Heartbeat) and not msg.worker_id:
+                self._lose("a new publisher answers at the address")
+            return
+        self.last_heard = time.monotonic()
+        if isinstance(msg, Receive | Stop):
+            if msg.seq <= self.last_seq:
+                return  # already covered by the WELCOME
+            if msg.seq > self.last_seq + 1:
+                sub.counters["gaps"] += 1
+            self.last_seq = msg.seq
+        if isinstance(msg, Receive):
+            applied = sub._offer(_Offer(msg.bus, msg.version, msg.slot))
+            if applied is not None:
+                self._ack(applied)
+        elif isinstance(msg, Stop):
+            if not msg.session:
+                with sub._cond:
+                    sub._stopped = True
+                self._lose(f"publisher sent STOP ({msg.reason})")
+            elif msg.session == self.session:
+                self._lose(f"evicted ({msg.reason})")
+        elif isinstance(msg, Heartbeat) and msg.seq > self.last_seq:
+            sub.counters["gaps"] += 1  # missed an event: the header names the latest
+            self.last_seq = msg.seq
+            latest = sub._attachment.header.latest() if sub._attachment else None
+            if latest is not None:
+                applied = sub._offer(_Offer(msg.bus, *latest))
+                if applied is not None:
+                    self._ack(applied)
+
+    def _tick(self, now: float) -> None:
+        sub = self.sub
+        if sub._link == _Link.ACTIVE:
+            self._send(Heartbeat(sub._bus, 0, sub.worker_id, self.session, max(sub._version, -1)))
+            if now - self.last_heard > self.heartbeat * _config.LOST_AFTER_BEATS:
+                self._lose("publisher silent")
+            return
+        try:  # LOST: one short handshake attempt per beat
+            self._handshake(Deadline(self.heartbeat * 2), attempts=1)
+            log.info("subscriber %s re-joined %s at version %d", sub.worker_id, sub.address, sub._version)
+        except (ConnectTimeout, ProtocolError) as exc:
+            log.debug("re-handshake failed: %s", exc)
+
+    def _lose(self, why: str) -> None:
+        sub = self.sub
+        if sub._link == _Link.ACTIVE:
+            log.info("subscriber %s lost the publisher: %s", sub.worker_id, why)
+        with sub._cond:
+            if sub._link == _Link.ACTIVE:
+                sub._link = _Link.LOST
+            sub._cond.notify_all()
+
+    def _ack(self, version: int) -> None:
+        self._send(Ack(self.sub._bus, self.sub.worker_id, self.session, version))
+
+    def _send(self, msg: Ack | Bye | Heartbeat, linger_ms: int = 0) -> None:
+        if self.acks is None or not self.session:
+            return
+        try:
+            self.acks.send(encode(msg), zmq.NOBLOCK)
+        except zmq.Again:
+            log.debug("acks queue full: %s dropped", msg.TYPE)
+        if linger_ms:
+            self.acks.linger = linger_ms
