@@ -1,0 +1,166 @@
+"""The `zmqsync` command: thin argparse over the library. ``main(argv) -> int``.
+
+Expected failures (`ZmqSyncError`) print one line and exit 1; Ctrl-C exits 130. Only
+this module configures logging.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from . import _config
+from ._errors import ZmqSyncError
+
+__all__ = ["main"]
+
+
+def _address(args: argparse.Namespace) -> str:
+    return args.address or _config.default_address(args.name)
+
+
+def _add_target(p: argparse.ArgumentParser) -> None:
+    p.add_argument("address", nargs="?", help="control address (default: from --name)")
+    p.add_argument("--name", default="weights", help="bus name (default: weights)")
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from ._demo import render, run_demo
+
+    console = Console()
+    result = run_demo(workers=args.workers, updates=args.updates, size_mb=args.size_mb,
+                      mode=args.mode, slots=args.slots, timeout=args.timeout, console=console)
+    return 0 if render(result, workers=args.workers, mode=args.mode, console=console) else 1
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    from ._worker import run_worker
+
+    return run_worker(args.address, name=args.name, mode=args.mode, apply=args.apply,
+                      verify=args.verify, as_json=args.json, worker_id=args.worker_id,
+                      until_version=args.until_version, forever=args.forever,
+                      timeout=args.timeout)
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from ._deadline import Deadline
+    from ._errors import ProtocolError
+    from ._protocol import Inspect, State, to_plain
+    from ._sockets import request
+
+    import zmq
+
+    ctx = zmq.Context()
+    try:
+        reply = request(ctx, _address(args), Inspect(""), deadline=Deadline(args.timeout))
+    finally:
+        ctx.destroy(linger=0)
+    if not isinstance(reply, State):
+        raise ProtocolError(f"expected STATE, got {reply.TYPE}: {getattr(reply, 'reason', '')}")
+    if args.json:
+        print(json.dumps(to_plain(reply), indent=2))
+    else:
+        _print_state(reply)
+    return 0
+
+
+def _print_state(state: Any) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    console.print(f"[bold]bus[/bold] {state.name!r} id {state.bus} pid {state.pid}  "
+                  f"version {state.version}  seq {state.seq}  slots {list(state.slot_versions)}  "
+                  f"heartbeat {state.heartbeat} s")
+    buffers = Table(title="buffers")
+    for col in ("kind", "device", "segment", "bytes"):
+        buffers.add_column(col)
+    for b in state.buffers:
+        buffers.add_row(b.kind, b.device, b.segment, f"{b.size:,}")
+    console.print(buffers)
+    manifest = Table(title=f"manifest ({len(state.manifest)} tensors)")
+    for col in ("name", "dtype", "shape", "bytes", "offset"):
+        manifest.add_column(col)
+    for s in state.manifest[:200]:
+        manifest.add_row(s.name, s.dtype, str(list(s.shape)), f"{s.nbytes:,}", str(s.offset))
+    console.print(manifest)
+    workers = Table(title=f"workers ({len(state.workers)})")
+    for col in ("worker", "pid", "host", "mode", "transport", "version", "lag", "last seen"):
+        workers.add_column(col)
+    for w in state.workers:
+        lag = state.version - w.version if w.version >= 0 else "-"
+        workers.add_row(w.worker_id, str(w.pid), w.host, w.mode, w.transport, str(w.version),
+                        str(lag), f"{w.last_seen:.2f} s ago")
+    console.print(workers)
+    console.print("counters: " + (", ".join(f"{k}={v}" for k, v in sorted(state.counters.items())) or "-"))
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    from ._buffers import collect_garbage
+
+    directory = _config.shm_dir(args.shm_dir)
+    removed = collect_garbage(directory)
+    for path in removed:
+        print(f"removed {path}")
+    print(f"{len(removed)} leaked segment(s) removed from {directory}")
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="zmqsync", description=__doc__.splitlines()[0])
+    parser.add_argument("--log-level", default="WARNING", help="logging level (default WARNING)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("demo", help="trainer + N worker processes, verified end to end")
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--updates", type=int, default=20)
+    p.add_argument("--size-mb", type=float, default=64.0)
+    p.add_argument("--mode", choices=("copy", "alias"), default="copy")
+    p.add_argument("--slots", type=int, default=2)
+    p.add_argument("--timeout", type=float, default=60.0)
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("worker", help="a standalone subscriber process")
+    _add_target(p)
+    p.add_argument("--mode", choices=("copy", "alias"), default="copy")
+    p.add_argument("--apply", choices=("background", "manual"), default="background")
+    p.add_argument("--verify", action="store_true", help="check each version's _checksum")
+    p.add_argument("--json", action="store_true", help="JSON line per version + summary")
+    p.add_argument("--worker-id", default=None)
+    p.add_argument("--until-version", type=int, default=None, help="exit once at this version")
+    p.add_argument("--forever", action="store_true", help="keep waiting after the publisher stops")
+    p.add_argument("--timeout", type=float, default=30.0, help="handshake deadline (s)")
+    p.set_defaults(func=cmd_worker)
+
+    p = sub.add_parser("inspect", help="manifest, buffers, workers, counters of a bus")
+    _add_target(p)
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--timeout", type=float, default=3.0)
+    p.set_defaults(func=cmd_inspect)
+
+    p = sub.add_parser("gc", help="remove segments leaked by killed processes")
+    p.add_argument("--shm-dir", default=None, help="default: $ZMQSYNC_SHM_DIR or /dev/shm")
+    p.set_defaults(func=cmd_gc)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    try:
+        return int(args.func(args))
+    except (ZmqSyncError, TimeoutError, ValueError) as exc:
+        print(f"zmqsync {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
