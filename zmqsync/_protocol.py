@@ -84,8 +84,8 @@ DTYPES: dict[str, int] = {
     "bool": 1,
 }
 
-_HEX16 = re.compile(r"^[0-9a-f]{16}$")
-_SEGMENT = re.compile(r"^zmqsync-[A-Za-z0-9_.-]{1,160}$")
+_HEX16 = re.compile(r"^[0-9a-f]{16}\Z")  # \Z: "$" would let a final "\n" in
+_SEGMENT = re.compile(r"^zmqsync-[A-Za-z0-9_.-]{1,160}\Z")
 
 Check: TypeAlias = Callable[[Any, str], Any]
 
@@ -95,6 +95,16 @@ Check: TypeAlias = Callable[[Any, str], Any]
 
 def _fail(where: str, why: str) -> ProtocolError:
     return ProtocolError(f"{where}: {why}")
+
+
+def _show(value: Any, limit: int) -> str:
+    """A received value, cut short, for an error message. Containers are named by type:
+    the repr of a deeply nested list would itself raise RecursionError."""
+    if type(value) in (str, bytes):
+        return str(value[:limit])
+    if value is None or type(value) in (bool, int, float):
+        return str(value)[:limit]
+    return type(value).__name__
 
 
 def _int(lo: int = 0, hi: int = MAX_U63) -> Check:
@@ -111,7 +121,8 @@ def _int(lo: int = 0, hi: int = MAX_U63) -> Check:
 
 def _float(lo: float, hi: float) -> Check:
     def check(value: Any, where: str) -> float:
-        if type(value) not in (int, float) or not math.isfinite(value):
+        # ints are finite; math.isfinite(int) would overflow above ~1e308
+        if type(value) is not int and (type(value) is not float or not math.isfinite(value)):
             raise _fail(where, "expected a finite number")
         if not lo <= value <= hi:
             raise _fail(where, f"{value} is outside [{lo}, {hi}]")
@@ -139,7 +150,7 @@ def _text(max_len: int, pattern: re.Pattern[str] | None = None, empty: bool = Tr
 def _choice(*options: str) -> Check:
     def check(value: Any, where: str) -> str:
         if type(value) is not str or value not in options:
-            raise _fail(where, f"expected one of {options}, got {str(value)[:40]!r}")
+            raise _fail(where, f"expected one of {options}, got {_show(value, 40)!r}")
         return value
 
     check.__doc__ = "one of " + ", ".join(f'"{o}"' for o in options)
@@ -412,11 +423,11 @@ Message: TypeAlias = (
 _BUS = _text(16, _HEX16, empty=False)
 _BUS_OR_EMPTY = _text(16, _HEX16)
 _SESSION = _text(16, _HEX16)
-_ID = _text(128, re.compile(r"^[\x21-\x7e]+$"), empty=False)
+_ID = _text(128, re.compile(r"^[\x21-\x7e]+\Z"), empty=False)
 _VERSION = _int()
 _SLOT = _int(0, MAX_SLOTS - 1)
 _KEY_PART = _text(256, empty=False)
-_ENDPOINT = _text(512, re.compile(r"^(ipc|tcp|inproc)://"))
+_ENDPOINT = _text(512, re.compile(r"^(ipc|tcp|inproc)://"), empty=False)
 
 # name -> (check, description). The specification; docs/protocol.md is generated from it.
 FIELDS: dict[type[Any], dict[str, tuple[Check, str]]] = {
@@ -563,16 +574,16 @@ def decode(data: bytes, *, bus: str | None = None) -> Message:
         raise ProtocolError(f"message of {len(data)} bytes exceeds {MAX_MESSAGE}")
     try:
         raw = msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True)
-    except (ValueError, msgpack.UnpackException, RecursionError) as exc:
+    except (ValueError, msgpack.UnpackException, RecursionError, BufferError) as exc:
         raise ProtocolError(f"not a msgpack message: {type(exc).__name__}: {exc}") from exc
     if type(raw) is not dict:
         raise ProtocolError(f"expected a msgpack map, got {type(raw).__name__}")
     if raw.get("proto") != PROTO or type(raw.get("proto")) is not int:
-        raise ProtocolError(f"protocol {str(raw.get('proto'))[:20]!r}, expected {PROTO}")
+        raise ProtocolError(f"protocol {_show(raw.get('proto'), 20)!r}, expected {PROTO}")
     kind = raw.get("type")
     cls = MESSAGE_TYPES.get(kind) if type(kind) is str else None
     if cls is None:
-        raise ProtocolError(f"unknown message type {str(kind)[:40]!r}")
+        raise ProtocolError(f"unknown message type {_show(kind, 40)!r}")
     msg: Message = _build(cls, raw, kind, skip=("proto", "type"))
     if bus is not None and msg.bus != bus and not (isinstance(msg, Hello | Inspect) and not msg.bus):
         raise ProtocolError(f"{kind} from foreign bus {msg.bus!r} (this bus is {bus!r})")

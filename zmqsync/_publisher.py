@@ -464,8 +464,13 @@ class _Agent:
             with self.pub._cond:
                 self.pub._cond.notify_all()
         finally:
+            endpoints = [s.last_endpoint.decode() for s in (self.control, self.events, self.acks)]
             for sock in (self.pipe, self.control, self.events, self.acks):
                 sock.close()
+            for endpoint in endpoints:  # libzmq leaves ipc socket files behind
+                if endpoint.startswith("ipc://"):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(endpoint[len("ipc://"):])
 
     def _bind(self) -> None:
         address = self.pub.address

@@ -453,6 +453,8 @@ class _Agent:
         self.session, self.last_seq, self.heartbeat = reply.session, reply.seq, reply.heartbeat
         self.last_heard = time.monotonic()
         with sub._cond:
+            if sub._link == _Link.CLOSED:
+                return
             sub._link, sub._stopped = _Link.ACTIVE, False
             sub._cond.notify_all()
         assert sub._attachment is not None
@@ -572,6 +574,8 @@ class _Agent:
             self._send(Heartbeat(sub._bus, 0, sub.worker_id, self.session, max(sub._version, -1)))
             if now - self.last_heard > self.heartbeat * _config.LOST_AFTER_BEATS:
                 self._lose("publisher silent")
+            return
+        if sub._link != _Link.LOST:
             return
         try:  # LOST: one short handshake attempt per beat
             self._handshake(Deadline(self.heartbeat * 2), attempts=1)
