@@ -39,9 +39,7 @@ class Target:
                 layout.check(self.tensors)
             except LayoutMismatch as exc:
                 raise LayoutMismatch(
-                    f"the model does not match the bus: {exc}".replace(
-                        "publish() got", "it has"
-                    )
+                    f"the model does not match the bus: {exc}".replace("publish() got", "it has")
                 ) from None
         if mode == "alias":
             wrong = {str(t.device) for t in self.tensors.values()} - {"cpu"}

@@ -17,7 +17,6 @@ import statistics
 import subprocess
 import sys
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,7 +31,7 @@ __all__ = ["DemoResult", "run_demo"]
 log = logging.getLogger(__name__)
 
 
-def make_policy(size_mb: float) -> torch.nn.Module:
+def make_policy(size_mb: float) -> torch.nn.Sequential:
     """An MLP of about `size_mb` MiB: Linear layers, a BatchNorm, a bf16 head."""
     hidden = max(16, int(math.sqrt(size_mb * 2**20 / 4 / 2)))
     model = torch.nn.Sequential(
@@ -48,13 +47,13 @@ def make_policy(size_mb: float) -> torch.nn.Module:
     return model
 
 
-def _state(model: torch.nn.Module) -> dict[Key, torch.Tensor]:
+def _state(model: torch.nn.Sequential) -> dict[Key, torch.Tensor]:
     flat = flatten(model)
     flat[CHECKSUM_KEY] = digest_tensor(digest(flat))
     return flat
 
 
-def _train_step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+def _train_step(model: torch.nn.Sequential, opt: torch.optim.Optimizer) -> None:
     x = torch.randn(64, 32)
     hidden = model[:-1](x)
     loss = model[-1](hidden.bfloat16()).float().pow(2).mean()
@@ -72,7 +71,8 @@ class DemoResult:
 
     def ok(self, n_workers: int, last_version: int) -> bool:
         return len(self.workers) == n_workers and all(
-            not w.get("mismatches") and w.get("last_version") == last_version
+            not w.get("mismatches")
+            and w.get("last_version") == last_version
             and w.get("verified", 0) >= 1
             for w in self.workers.values()
         )
@@ -103,8 +103,14 @@ class _WorkerProcess:
 
 
 def run_demo(
-    *, workers: int, updates: int, size_mb: float, mode: str, slots: int = 2,
-    timeout: float = 30.0, console: Any = None,
+    *,
+    workers: int,
+    updates: int,
+    size_mb: float,
+    mode: str,
+    slots: int = 2,
+    timeout: float = 30.0,
+    console: Any = None,
 ) -> DemoResult:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -116,15 +122,32 @@ def run_demo(
     procs: list[_WorkerProcess] = []
     with Publisher(_state(model), name=name, slots=slots, timeout=timeout) as pub:
         result.nbytes = pub._layout.nbytes
-        cmd = [sys.executable, "-m", "zmqsync", "worker", "--name", name, "--mode", mode,
-               "--verify", "--json"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "zmqsync",
+            "worker",
+            "--name",
+            name,
+            "--mode",
+            mode,
+            "--verify",
+            "--json",
+        ]
         try:
             procs = [_WorkerProcess([*cmd, "--worker-id", f"worker-{i}"]) for i in range(workers)]
             if not pub.wait_for_workers(workers, timeout=timeout):
-                raise TimeoutError(f"only {len(pub.workers)} of {workers} workers joined in {timeout} s")
+                raise TimeoutError(
+                    f"only {len(pub.workers)} of {workers} workers joined in {timeout} s"
+                )
             pub.publish()  # everyone on version >= 0 acked before timing starts
-            columns = (TextColumn("[bold]publishing"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                       TextColumn("{task.fields[last]}"), TimeElapsedColumn())
+            columns = (
+                TextColumn("[bold]publishing"),
+                BarColumn(),
+                TextColumn("{task.completed}/{task.total}"),
+                TextColumn("{task.fields[last]}"),
+                TimeElapsedColumn(),
+            )
             with Progress(*columns, console=console, transient=False) as progress:
                 task = progress.add_task("publish", total=updates, last="")
                 for _ in range(updates):
@@ -132,7 +155,9 @@ def run_demo(
                     state = _state(model)
                     handle = pub.publish(weights=state)
                     result.latencies.append(handle.seconds)
-                    progress.update(task, advance=1, last=f"v{handle.version} {handle.seconds * 1e3:.1f} ms")
+                    progress.update(
+                        task, advance=1, last=f"v{handle.version} {handle.seconds * 1e3:.1f} ms"
+                    )
             last = pub.version
         except BaseException:
             for p in procs:
@@ -154,23 +179,39 @@ def render(result: DemoResult, *, workers: int, mode: str, console: Any) -> bool
     lat = sorted(result.latencies)
     p50 = statistics.median(lat) if lat else float("nan")
     p99 = lat[min(len(lat) - 1, math.ceil(0.99 * len(lat)) - 1)] if lat else float("nan")
-    table = Table(title=f"zmqsync demo: {len(lat)} updates to {workers} workers ({mode} mode)",
-                  caption="publish = write + RECEIVE + every worker applied, verified its checksum, acked")
+    table = Table(
+        title=f"zmqsync demo: {len(lat)} updates to {workers} workers ({mode} mode)",
+        caption="publish = write + RECEIVE + every worker applied, verified its checksum, acked",
+    )
     for col in ("model", "publish p50", "publish p99", "throughput p50"):
         table.add_column(col, justify="right")
-    table.add_row(f"{result.nbytes / 2**20:.1f} MiB", f"{p50 * 1e3:.2f} ms", f"{p99 * 1e3:.2f} ms",
-                  f"{result.nbytes / p50 / 1e9:.2f} GB/s to each worker")
+    table.add_row(
+        f"{result.nbytes / 2**20:.1f} MiB",
+        f"{p50 * 1e3:.2f} ms",
+        f"{p99 * 1e3:.2f} ms",
+        f"{result.nbytes / p50 / 1e9:.2f} GB/s to each worker",
+    )
     console.print(table)
     per_worker = Table(title="workers")
     for col in ("worker", "versions applied", "last version", "verified", "mismatches"):
         per_worker.add_column(col, justify="right")
     for wid, w in sorted(result.workers.items()):
-        per_worker.add_row(wid, str(w["applied"]), str(w["last_version"]), str(w["verified"]),
-                           str(len(w["mismatches"])))
+        per_worker.add_row(
+            wid,
+            str(w["applied"]),
+            str(w["last_version"]),
+            str(w["verified"]),
+            str(len(w["mismatches"])),
+        )
     console.print(per_worker)
     ok = result.ok(workers, last)
     if ok:
-        console.print(f"[green]OK[/green]: every worker verified every version it applied; all reached v{last}")
+        console.print(
+            f"[green]OK[/green]: every worker verified every version it applied; "
+            f"all reached v{last}"
+        )
     else:
-        console.print(f"[red]FAILED[/red]: mismatches, missing workers, or workers short of v{last}")
+        console.print(
+            f"[red]FAILED[/red]: mismatches, missing workers, or workers short of v{last}"
+        )
     return ok

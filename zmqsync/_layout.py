@@ -27,7 +27,9 @@ Key = tuple[str, ...]
 PAGE = 4096
 
 _TORCH_DTYPES: dict[str, torch.dtype] = {
-    name: getattr(torch, name) for name in DTYPES if isinstance(getattr(torch, name, None), torch.dtype)
+    name: getattr(torch, name)
+    for name in DTYPES
+    if isinstance(getattr(torch, name, None), torch.dtype)
 }
 _DTYPE_NAMES = {dtype: name for name, dtype in _TORCH_DTYPES.items()}
 
@@ -149,4 +151,3 @@ class Layout:
             raw = slot[spec.offset : spec.offset + spec.nbytes]
             out[spec.key] = raw.view(torch_dtype(spec.dtype)).view(spec.shape)
         return out
-

@@ -432,7 +432,7 @@ _ENDPOINT = _text(512, re.compile(r"^(ipc|tcp|inproc)://"), empty=False)
 # name -> (check, description). The specification; docs/protocol.md is generated from it.
 FIELDS: dict[type[Any], dict[str, tuple[Check, str]]] = {
     TensorSpec: {
-        "key": (_list(_KEY_PART, MAX_KEY_DEPTH), "path of the tensor, e.g. [\"0\", \"weight\"]"),
+        "key": (_list(_KEY_PART, MAX_KEY_DEPTH), 'path of the tensor, e.g. ["0", "weight"]'),
         "dtype": (_choice(*DTYPES), "element type"),
         "shape": (_list(_int(0, MAX_BYTES), MAX_NDIM), "sizes"),
         "stride": (_list(_int(0, MAX_BYTES), MAX_NDIM), "contiguous strides, in elements"),
@@ -584,7 +584,11 @@ def decode(data: bytes, *, bus: str | None = None) -> Message:
     cls = MESSAGE_TYPES.get(kind) if type(kind) is str else None
     if cls is None:
         raise ProtocolError(f"unknown message type {_show(kind, 40)!r}")
-    msg: Message = _build(cls, raw, kind, skip=("proto", "type"))
-    if bus is not None and msg.bus != bus and not (isinstance(msg, Hello | Inspect) and not msg.bus):
+    msg: Message = _build(cls, raw, str(kind), skip=("proto", "type"))
+    if (
+        bus is not None
+        and msg.bus != bus
+        and not (isinstance(msg, Hello | Inspect) and not msg.bus)
+    ):
         raise ProtocolError(f"{kind} from foreign bus {msg.bus!r} (this bus is {bus!r})")
     return msg

@@ -113,7 +113,9 @@ class Publish:
                 (`.missing` names them). With "evict" they are dropped instead, listed in
                 `.missing`, and wait() returns.
         """
-        return self._pub._wait(self, Deadline(self._pub._timeout if timeout is DEFAULT else timeout))
+        return self._pub._wait(
+            self, Deadline(self._pub._timeout if timeout is DEFAULT else timeout)
+        )
 
     def _finish(self, missing: Iterable[str] = ()) -> None:
         if self._finished is None:
@@ -215,10 +217,12 @@ class Publisher:
             collect_garbage(self._shm_dir)
             seg_name = segment_name(self.name, self.bus)
             self._segment = stack.enter_context(
-                CpuSegment(self._shm_dir, seg_name, slots=self._slots,
-                           slot_bytes=self._layout.slot_bytes)
+                CpuSegment(
+                    self._shm_dir, seg_name, slots=self._slots, slot_bytes=self._layout.slot_bytes
+                )
             )
-            self._slot_views = [self._layout.views(self._segment.slot(i)) for i in range(self._slots)]
+            segment = self._segment
+            self._slot_views = [self._layout.views(segment.slot(i)) for i in range(self._slots)]
             self._write(0, 0, flatten(self._source))
             self._registry.record(0, 0)
             self._agent = _Agent(self)
@@ -226,8 +230,14 @@ class Publisher:
             stack.callback(self._agent.stop)
             self._resources = stack.pop_all()
         self._state = "started"
-        log.info("publisher %r started at %s (%d tensors, %.1f MiB, %d slots)", self.name,
-                 self.address, len(self._layout.specs), self._layout.nbytes / 2**20, self._slots)
+        log.info(
+            "publisher %r started at %s (%d tensors, %.1f MiB, %d slots)",
+            self.name,
+            self.address,
+            len(self._layout.specs),
+            self._layout.nbytes / 2**20,
+            self._slots,
+        )
         return self
 
     def close(self) -> None:
@@ -255,8 +265,10 @@ class Publisher:
                 self.close()
 
     def __repr__(self) -> str:
-        return (f"<Publisher {self.name!r} v{self._registry.latest} {self.address or '-'} "
-                f"{len(self._registry.members)} workers {self._state}>")
+        return (
+            f"<Publisher {self.name!r} v{self._registry.latest} {self.address or '-'} "
+            f"{len(self._registry.members)} workers {self._state}>"
+        )
 
     # --- publishing ----------------------------------------------------------------
 
@@ -332,7 +344,9 @@ class Publisher:
 
     def _check_usable(self) -> None:
         if self._failure is not None:
-            raise ZmqSyncError(f"publisher {self.name!r} agent failed: {self._failure!r}") from self._failure
+            raise ZmqSyncError(
+                f"publisher {self.name!r} agent failed: {self._failure!r}"
+            ) from self._failure
         if self._state != "started":
             state = "closed" if self._state == "closed" else "not started"
             raise ClosedError(f"Publisher {self.name!r} is {state}; call start() on a new one")
@@ -354,7 +368,9 @@ class Publisher:
                 self._check_usable()
                 if deadline.expired():
                     blockers = self._registry.blockers()
-                    self._on_deadline(self._registry.latest + 1, (), blockers, "still hold every slot")
+                    self._on_deadline(
+                        self._registry.latest + 1, (), blockers, "still hold every slot"
+                    )
                     continue
                 self._cond.wait(deadline.wait_s(0.5))
             return slot
@@ -372,7 +388,9 @@ class Publisher:
         handle._finish()
         return handle
 
-    def _on_deadline(self, version: int, acked: Iterable[str], missing: list[str], what: str) -> None:
+    def _on_deadline(
+        self, version: int, acked: Iterable[str], missing: list[str], what: str
+    ) -> None:
         """trio's fail_after ("raise") versus move_on_after ("evict"): same deadline."""
         self._counters["timeouts"] += 1
         if self._on_timeout == "raise":
@@ -380,11 +398,15 @@ class Publisher:
                 f"version {version}: {len(missing)} worker(s) {what} in time "
                 f"({', '.join(missing[:8])}); they may have died or be stuck — pass "
                 'on_timeout="evict" to continue without them',
-                version=version, acked=acked, missing=missing,
+                version=version,
+                acked=acked,
+                missing=missing,
             )
         evicted = self._registry.evict(missing)
         self._counters["evictions"] += len(evicted)
-        log.info("evicted %d worker(s) at version %d: %s", len(evicted), version, ", ".join(missing))
+        log.info(
+            "evicted %d worker(s) at version %d: %s", len(evicted), version, ", ".join(missing)
+        )
         for member in evicted:
             self._agent.command(b"evict " + member.session.encode())  # type: ignore[union-attr]
         self._cond.notify_all()
@@ -392,7 +414,7 @@ class Publisher:
 
 def _refuse_if_served(address: str) -> None:
     """Binding an ipc:// path silently steals it; ask first whether someone answers."""
-    if not address.startswith("ipc://") or not os.path.exists(address[len("ipc://"):]):
+    if not address.startswith("ipc://") or not os.path.exists(address[len("ipc://") :]):
         return
     ctx = zmq.Context()
     try:
@@ -417,7 +439,9 @@ class _Agent:
         self.seq = 0
         self._closing: Deadline | None = None
         self._started = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"zmqsync-pub-{pub.name}", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, name=f"zmqsync-pub-{pub.name}", daemon=True
+        )
         self._pipe_in = self.ctx.socket(zmq.PAIR)
         self._pipe_in.linger = 0
         self._pipe_addr = f"inproc://zmqsync-pipe-{id(self)}"
@@ -464,13 +488,16 @@ class _Agent:
             with self.pub._cond:
                 self.pub._cond.notify_all()
         finally:
-            endpoints = [s.last_endpoint.decode() for s in (self.control, self.events, self.acks)]
+            endpoints = [
+                s.getsockopt_string(zmq.LAST_ENDPOINT)
+                for s in (self.control, self.events, self.acks)
+            ]
             for sock in (self.pipe, self.control, self.events, self.acks):
                 sock.close()
             for endpoint in endpoints:  # libzmq leaves ipc socket files behind
                 if endpoint.startswith("ipc://"):
                     with contextlib.suppress(FileNotFoundError):
-                        os.unlink(endpoint[len("ipc://"):])
+                        os.unlink(endpoint[len("ipc://") :])
 
     def _bind(self) -> None:
         address = self.pub.address
@@ -486,7 +513,7 @@ class _Agent:
         self.acks = bind(self.ctx, zmq.PULL, sibling_endpoint(address, "acks"))
         for sock in (self.events, self.acks):
             if address.startswith("ipc://"):
-                os.chmod(sock.last_endpoint.decode()[len("ipc://"):], 0o600)
+                os.chmod(sock.getsockopt_string(zmq.LAST_ENDPOINT)[len("ipc://") :], 0o600)
 
     def _loop(self) -> None:
         poller = zmq.Poller()
@@ -508,7 +535,9 @@ class _Agent:
             if now >= next_beat:
                 self._beat(now)
                 next_beat = now + beat
-            if self._closing is not None and (self._closing.expired() or not self.pub._registry.members):
+            if self._closing is not None and (
+                self._closing.expired() or not self.pub._registry.members
+            ):
                 return
 
     def _send_event(self, msg: Message) -> None:
@@ -562,14 +591,29 @@ class _Agent:
             slot = pub._registry.slot_of(version)
             pub._counters["handshakes"] += 1
             pub._cond.notify_all()
-        log.info("worker %s joined (pid %d, %s, %s)%s", hello.worker_id, hello.pid, hello.host,
-                 hello.mode, " replacing an older process" if replaced else "")
+        log.info(
+            "worker %s joined (pid %d, %s, %s)%s",
+            hello.worker_id,
+            hello.pid,
+            hello.host,
+            hello.mode,
+            " replacing an older process" if replaced else "",
+        )
         assert pub._segment is not None
         return Welcome(
-            bus=pub.bus, session=session, seq=self.seq, version=version, slot=slot,
-            slots=pub._slots, slot_bytes=pub._layout.slot_bytes, heartbeat=pub._heartbeat,
-            events=self.events.last_endpoint.decode(), acks=self.acks.last_endpoint.decode(),
-            tap="", buffers=(pub._segment.describe(),), manifest=pub._layout.specs,
+            bus=pub.bus,
+            session=session,
+            seq=self.seq,
+            version=version,
+            slot=slot,
+            slots=pub._slots,
+            slot_bytes=pub._layout.slot_bytes,
+            heartbeat=pub._heartbeat,
+            events=self.events.getsockopt_string(zmq.LAST_ENDPOINT),
+            acks=self.acks.getsockopt_string(zmq.LAST_ENDPOINT),
+            tap="",
+            buffers=(pub._segment.describe(),),
+            manifest=pub._layout.specs,
         )
 
     def _state(self) -> State:
@@ -578,15 +622,31 @@ class _Agent:
         now = time.monotonic()
         with pub._lock:
             workers = tuple(
-                WorkerState(m.worker_id, m.pid, m.host, m.mode, m.transport, m.acked,
-                            max(0.0, now - m.last_seen))
+                WorkerState(
+                    m.worker_id,
+                    m.pid,
+                    m.host,
+                    m.mode,
+                    m.transport,
+                    m.acked,
+                    max(0.0, now - m.last_seen),
+                )
                 for m in pub._registry.members.values()
             )
             return State(
-                bus=pub.bus, name=pub.name, pid=os.getpid(), version=pub._registry.latest,
-                seq=self.seq, slots=pub._slots, slot_versions=tuple(pub._registry.slot_versions),
-                heartbeat=pub._heartbeat, tap="", buffers=(pub._segment.describe(),),
-                manifest=pub._layout.specs, workers=workers, counters=dict(pub._counters),
+                bus=pub.bus,
+                name=pub.name,
+                pid=os.getpid(),
+                version=pub._registry.latest,
+                seq=self.seq,
+                slots=pub._slots,
+                slot_versions=tuple(pub._registry.slot_versions),
+                heartbeat=pub._heartbeat,
+                tap="",
+                buffers=(pub._segment.describe(),),
+                manifest=pub._layout.specs,
+                workers=workers,
+                counters=dict(pub._counters),
             )
 
     def _on_acks(self) -> None:
@@ -652,4 +712,3 @@ class _Agent:
     def _count(self, what: str) -> None:
         with self.pub._lock:
             self.pub._counters[what] += 1
-

@@ -70,8 +70,14 @@ class Registry:
     def join(self, hello: Hello, session: str, now: float) -> Member:
         """Register (or replace: same id, new process) a worker welcomed at `latest`."""
         member = Member(
-            hello.worker_id, session, hello.pid, hello.host, hello.mode, hello.transport,
-            floor=self.latest, last_seen=now,
+            hello.worker_id,
+            session,
+            hello.pid,
+            hello.host,
+            hello.mode,
+            hello.transport,
+            floor=self.latest,
+            last_seen=now,
         )
         self.members[hello.worker_id] = member
         return member

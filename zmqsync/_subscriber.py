@@ -157,8 +157,14 @@ class Subscriber:
         self.address = self._address_arg or _config.default_address(self.name)
         self._agent = _Agent(self)
         self._agent.start(Deadline(self._timeout))
-        log.info("subscriber %s joined %s at version %d (%s/%s)", self.worker_id,
-                 self.address, self._version, self.mode, self.apply)
+        log.info(
+            "subscriber %s joined %s at version %d (%s/%s)",
+            self.worker_id,
+            self.address,
+            self._version,
+            self.mode,
+            self.apply,
+        )
         return self
 
     def close(self) -> None:
@@ -378,7 +384,9 @@ class _Agent:
         self._pipe_in.linger = 0
         self._pipe_addr = f"inproc://zmqsync-sub-{id(self)}"
         self._pipe_in.bind(self._pipe_addr)
-        self._thread = threading.Thread(target=self._run, name=f"zmqsync-sub-{sub.name}", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, name=f"zmqsync-sub-{sub.name}", daemon=True
+        )
 
     def start(self, deadline: Deadline) -> None:
         self._deadline = deadline
@@ -579,7 +587,9 @@ class _Agent:
             return
         try:  # LOST: one short handshake attempt per beat
             self._handshake(Deadline(self.heartbeat * 2), attempts=1)
-            log.info("subscriber %s re-joined %s at version %d", sub.worker_id, sub.address, sub._version)
+            log.info(
+                "subscriber %s re-joined %s at version %d", sub.worker_id, sub.address, sub._version
+            )
         except (ConnectTimeout, ProtocolError) as exc:
             log.debug("re-handshake failed: %s", exc)
 

@@ -34,8 +34,11 @@ class _Verifier:
 
     def __call__(self, version: int) -> None:
         flat: dict[Key, Any] = dict(self.sub._target.tensors) if self.sub._target else {}
-        record: dict[str, Any] = {"event": "applied", "worker": self.sub.worker_id,
-                                  "version": version}
+        record: dict[str, Any] = {
+            "event": "applied",
+            "worker": self.sub.worker_id,
+            "version": version,
+        }
         if self.verify:
             got, want = digest(flat), stored_digest(flat)
             ok = want is None or got == want
@@ -52,15 +55,29 @@ class _Verifier:
 
     def summary(self) -> dict[str, Any]:
         with self.lock:
-            return {"event": "summary", "worker": self.sub.worker_id,
-                    "applied": len(self.versions), "versions": self.versions,
-                    "last_version": self.sub.version, "verified": self.verified,
-                    "mismatches": self.mismatches}
+            return {
+                "event": "summary",
+                "worker": self.sub.worker_id,
+                "applied": len(self.versions),
+                "versions": self.versions,
+                "last_version": self.sub.version,
+                "verified": self.verified,
+                "mismatches": self.mismatches,
+            }
 
 
 def run_worker(
-    address: str | None, *, name: str, mode: str, apply: str, verify: bool, as_json: bool,
-    worker_id: str | None, until_version: int | None, forever: bool, timeout: float,
+    address: str | None,
+    *,
+    name: str,
+    mode: str,
+    apply: str,
+    verify: bool,
+    as_json: bool,
+    worker_id: str | None,
+    until_version: int | None,
+    forever: bool,
+    timeout: float,
 ) -> int:
     stop = threading.Event()
 
@@ -68,8 +85,9 @@ def run_worker(
         stop.set()
 
     signal.signal(signal.SIGTERM, on_signal)
-    sub = Subscriber(address, name=name, mode=mode, apply=apply, worker_id=worker_id,
-                     timeout=timeout)
+    sub = Subscriber(
+        address, name=name, mode=mode, apply=apply, worker_id=worker_id, timeout=timeout
+    )
     verifier = _Verifier(sub, as_json, verify)
     sub._on_update = verifier
     with sub:
@@ -86,7 +104,10 @@ def run_worker(
     if as_json:
         print(json.dumps(summary), flush=True)
     else:
-        print(f"worker {summary['worker']}: applied {summary['applied']} versions "
-              f"(last {summary['last_version']}), {summary['verified']} verified, "
-              f"{len(summary['mismatches'])} mismatches", file=sys.stderr)
+        print(
+            f"worker {summary['worker']}: applied {summary['applied']} versions "
+            f"(last {summary['last_version']}), {summary['verified']} verified, "
+            f"{len(summary['mismatches'])} mismatches",
+            file=sys.stderr,
+        )
     return 1 if summary["mismatches"] else 0

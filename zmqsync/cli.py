@@ -34,27 +34,42 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from ._demo import render, run_demo
 
     console = Console()
-    result = run_demo(workers=args.workers, updates=args.updates, size_mb=args.size_mb,
-                      mode=args.mode, slots=args.slots, timeout=args.timeout, console=console)
+    result = run_demo(
+        workers=args.workers,
+        updates=args.updates,
+        size_mb=args.size_mb,
+        mode=args.mode,
+        slots=args.slots,
+        timeout=args.timeout,
+        console=console,
+    )
     return 0 if render(result, workers=args.workers, mode=args.mode, console=console) else 1
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
     from ._worker import run_worker
 
-    return run_worker(args.address, name=args.name, mode=args.mode, apply=args.apply,
-                      verify=args.verify, as_json=args.json, worker_id=args.worker_id,
-                      until_version=args.until_version, forever=args.forever,
-                      timeout=args.timeout)
+    return run_worker(
+        args.address,
+        name=args.name,
+        mode=args.mode,
+        apply=args.apply,
+        verify=args.verify,
+        as_json=args.json,
+        worker_id=args.worker_id,
+        until_version=args.until_version,
+        forever=args.forever,
+        timeout=args.timeout,
+    )
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
+    import zmq
+
     from ._deadline import Deadline
     from ._errors import ProtocolError
     from ._protocol import Inspect, State, to_plain
     from ._sockets import request
-
-    import zmq
 
     ctx = zmq.Context()
     try:
@@ -75,9 +90,11 @@ def _print_state(state: Any) -> None:
     from rich.table import Table
 
     console = Console()
-    console.print(f"[bold]bus[/bold] {state.name!r} id {state.bus} pid {state.pid}  "
-                  f"version {state.version}  seq {state.seq}  slots {list(state.slot_versions)}  "
-                  f"heartbeat {state.heartbeat} s")
+    console.print(
+        f"[bold]bus[/bold] {state.name!r} id {state.bus} pid {state.pid}  "
+        f"version {state.version}  seq {state.seq}  slots {list(state.slot_versions)}  "
+        f"heartbeat {state.heartbeat} s"
+    )
     buffers = Table(title="buffers")
     for col in ("kind", "device", "segment", "bytes"):
         buffers.add_column(col)
@@ -95,10 +112,20 @@ def _print_state(state: Any) -> None:
         workers.add_column(col)
     for w in state.workers:
         lag = state.version - w.version if w.version >= 0 else "-"
-        workers.add_row(w.worker_id, str(w.pid), w.host, w.mode, w.transport, str(w.version),
-                        str(lag), f"{w.last_seen:.2f} s ago")
+        workers.add_row(
+            w.worker_id,
+            str(w.pid),
+            w.host,
+            w.mode,
+            w.transport,
+            str(w.version),
+            str(lag),
+            f"{w.last_seen:.2f} s ago",
+        )
     console.print(workers)
-    console.print("counters: " + (", ".join(f"{k}={v}" for k, v in sorted(state.counters.items())) or "-"))
+    console.print(
+        "counters: " + (", ".join(f"{k}={v}" for k, v in sorted(state.counters.items())) or "-")
+    )
 
 
 def cmd_gc(args: argparse.Namespace) -> int:

@@ -8,7 +8,7 @@ nothing to unpickle.
 from __future__ import annotations
 
 import abc
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 
@@ -17,6 +17,8 @@ from .header import Header
 
 __all__ = ["AttachedBuffer", "SharedBuffer"]
 
+_B = TypeVar("_B", bound="SharedBuffer")
+
 
 class SharedBuffer(abc.ABC):
     """A buffer this process allocated and writes (publisher side)."""
@@ -24,7 +26,7 @@ class SharedBuffer(abc.ABC):
     kind: ClassVar[str]
     header: Header
 
-    def __enter__(self) -> SharedBuffer:
+    def __enter__(self: _B) -> _B:
         return self
 
     def __exit__(self, *exc: object) -> None:

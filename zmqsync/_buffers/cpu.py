@@ -204,7 +204,7 @@ def collect_garbage(directory: str) -> list[str]:
     Returns the paths removed. Safe to run at any time: a segment in use is locked by
     its publisher and every subscriber, and a lock cannot be taken while it is held.
     """
-    removed = []
+    removed: list[str] = []
     try:
         names = os.listdir(directory)
     except FileNotFoundError:
