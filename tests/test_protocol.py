@@ -39,6 +39,7 @@ from zmqsync._protocol import (
     Receive,
     State,
     Stop,
+    Tap,
     TensorSpec,
     Welcome,
     WorkerState,
@@ -126,12 +127,14 @@ MESSAGES: list[Message] = [
         slot_versions=(4, 3),
         heartbeat=0.5,
         tap="",
+        events="ipc:///run/user/1000/zmqsync/policy.sock.events",
         buffers=BUFFERS,
         manifest=MANIFEST,
         workers=WORKERS,
         counters={"publishes": 4, "acks": 7, "timeouts": 0, "evictions": 1, "rejected": 2},
     ),
     Error(BUS, "transport cuda is not offered by this bus"),
+    Tap(BUS, 1767225600.25, "in", "host-4242", b"\x81\xa5proto\x01"),
 ]
 HELLO, WELCOME = MESSAGES[0], MESSAGES[2]
 BUS_MESSAGES = [m for m in MESSAGES if m.bus]

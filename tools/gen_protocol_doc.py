@@ -69,6 +69,7 @@ ROUTES: dict[type[Any], tuple[str, str]] = {
     P.Inspect: ("anyone → publisher", "control, REQ → REP; answered with STATE or ERROR"),
     P.State: ("publisher → inspector", "control, the REP's answer to INSPECT"),
     P.Error: ("publisher → requester", "control, the REP's answer to a refused request"),
+    P.Tap: ("publisher → sniffers", "tap, XPUB → SUB (only when the tap is on)"),
 }
 
 # What the peers do with each message, beyond its fields (from _publisher/_subscriber).
@@ -130,6 +131,14 @@ already serves its `ipc://` address (it refuses to start if one answers).""",
 `workers[].last_seen` is seconds since that worker's last message, not a timestamp.
 `counters` includes publishes, handshakes, acks, stale, rejected, timeouts, evictions,
 lost (a counter appears once it is non-zero).""",
+    P.Tap: """\
+The tap is off by default (`Publisher(tap=True)` or `ZMQSYNC_TAP=1` turns it on); WELCOME
+and STATE name its endpoint. Each TAP wraps one frame the publisher sent (`dir` "out") or
+received (`dir` "in"), valid or not, so a sniffer decodes it with the same `decode` and
+sees rejected frames too (truncated to 4096 bytes). Handle bytes in a WELCOME are
+replaced by empty bytes. The tap socket has a small high-water mark and `XPUB_NODROP`:
+when a sniffer is slow or stopped the publisher's send fails at once and the frame is
+counted as `tap_dropped`; the bus never waits for a sniffer.""",
     P.Error: """\
 The REP socket answers every request, so a REQ peer never stays stuck in its
 send/receive lockstep. A frame that does not decode, has more than one part, names

@@ -42,6 +42,7 @@ __all__ = [
     "Message",
     "Receive",
     "State",
+    "Tap",
     "Stop",
     "TensorSpec",
     "contiguous_stride",
@@ -401,6 +402,7 @@ class State:
     slot_versions: tuple[int, ...]
     heartbeat: float
     tap: str
+    events: str
     buffers: tuple[BufferInfo, ...]
     manifest: tuple[TensorSpec, ...]
     workers: tuple[WorkerState, ...]
@@ -416,8 +418,20 @@ class Error:
     reason: str
 
 
+@dataclass(frozen=True, slots=True)
+class Tap:
+    """Publisher -> sniffers (tap): a copy of one frame the publisher sent or received."""
+
+    TYPE: ClassVar[str] = "tap"
+    bus: str
+    ts: float
+    dir: str
+    peer: str
+    frame: bytes
+
+
 Message: TypeAlias = (
-    Hello | Welcome | Receive | Stop | Heartbeat | Ack | Bye | Inspect | State | Error
+    Hello | Welcome | Receive | Stop | Heartbeat | Ack | Bye | Inspect | State | Error | Tap
 )
 
 _BUS = _text(16, _HEX16, empty=False)
@@ -522,17 +536,25 @@ FIELDS: dict[type[Any], dict[str, tuple[Check, str]]] = {
         "slot_versions": (_list(_int(-1), MAX_SLOTS), "version in each slot, -1 empty"),
         "heartbeat": (_float(0.001, 3600), "heartbeat interval in seconds"),
         "tap": (_text(512), "tap endpoint, empty when off"),
+        "events": (_ENDPOINT, "events endpoint (for sniffers when the tap is off)"),
         "buffers": (_list(_record(BufferInfo), 16), "as in WELCOME"),
         "manifest": (_list(_record(TensorSpec), MAX_TENSORS), "as in WELCOME"),
         "workers": (_list(_record(WorkerState), MAX_WORKERS), "live workers"),
         "counters": (_counters, "publishes, acks, timeouts, evictions, rejected, ..."),
+    },
+    Tap: {
+        "bus": (_BUS, "bus id"),
+        "ts": (_float(0, 1e12), "unix time when the publisher sent or received the frame"),
+        "dir": (_choice("out", "in"), "out: sent by the publisher; in: received by it"),
+        "peer": (_text(128), "worker id (empty for broadcasts and unknown senders)"),
+        "frame": (_bin(MAX_MESSAGE), "the frame itself (handle bytes redacted)"),
     },
     Error: {"bus": (_BUS, "bus id"), "reason": (_text(1024), "why the request was refused")},
 }
 
 MESSAGE_TYPES: dict[str, type[Any]] = {
     cls.TYPE: cls
-    for cls in (Hello, Welcome, Receive, Stop, Heartbeat, Ack, Bye, Inspect, State, Error)
+    for cls in (Hello, Welcome, Receive, Stop, Heartbeat, Ack, Bye, Inspect, State, Error, Tap)
 }
 
 

@@ -15,6 +15,7 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import secrets
@@ -44,6 +45,7 @@ from ._protocol import (
     Receive,
     State,
     Stop,
+    Tap,
     Welcome,
     WorkerState,
     decode,
@@ -141,7 +143,8 @@ class Publisher:
         on_timeout: "raise" (PublishTimeout) or "evict" (drop the missing workers).
         heartbeat: heartbeat interval (s); a worker silent for ~6 beats is dropped.
         shm_dir: tmpfs directory for segments (default $ZMQSYNC_SHM_DIR or /dev/shm).
-        tap: reserved for the bus sniffer.
+        tap: open the tap socket that mirrors every message for `zmqsync sniff`;
+            None: on when the environment variable ZMQSYNC_TAP is "1".
     """
 
     def __init__(
@@ -155,7 +158,7 @@ class Publisher:
         on_timeout: str = "raise",
         heartbeat: float = 0.5,
         shm_dir: str | None = None,
-        tap: bool = False,
+        tap: bool | None = None,
     ) -> None:
         self.name = _config.check_name(name)
         if not 1 <= slots <= 64:
@@ -180,7 +183,7 @@ class Publisher:
         self._on_timeout = on_timeout
         self._heartbeat = heartbeat
         self._shm_dir = _config.shm_dir(shm_dir)
-        self._tap = tap
+        self._tap = tap if tap is not None else os.environ.get("ZMQSYNC_TAP") == "1"
         self.bus = secrets.token_hex(8)
         self.address = ""
         self._registry = Registry(slots)
@@ -408,7 +411,8 @@ class Publisher:
             "evicted %d worker(s) at version %d: %s", len(evicted), version, ", ".join(missing)
         )
         for member in evicted:
-            self._agent.command(b"evict " + member.session.encode())  # type: ignore[union-attr]
+            cmd = b"evict %s %s" % (member.session.encode(), member.worker_id.encode())
+            self._agent.command(cmd)  # type: ignore[union-attr]
         self._cond.notify_all()
 
 
@@ -447,6 +451,7 @@ class _Agent:
         self._pipe_addr = f"inproc://zmqsync-pipe-{id(self)}"
         self._pipe_in.bind(self._pipe_addr)
         self._failure: BaseException | None = None
+        self.tap: zmq.Socket[bytes] | None = None
 
     def start(self) -> None:
         self._thread.start()
@@ -488,11 +493,9 @@ class _Agent:
             with self.pub._cond:
                 self.pub._cond.notify_all()
         finally:
-            endpoints = [
-                s.getsockopt_string(zmq.LAST_ENDPOINT)
-                for s in (self.control, self.events, self.acks)
-            ]
-            for sock in (self.pipe, self.control, self.events, self.acks):
+            bound = [s for s in (self.control, self.events, self.acks, self.tap) if s is not None]
+            endpoints = [s.getsockopt_string(zmq.LAST_ENDPOINT) for s in bound]
+            for sock in (self.pipe, *bound):
                 sock.close()
             for endpoint in endpoints:  # libzmq leaves ipc socket files behind
                 if endpoint.startswith("ipc://"):
@@ -511,14 +514,23 @@ class _Agent:
         self.events.setsockopt(zmq.SNDHWM, 100_000)
         self.events.bind(sibling_endpoint(address, "events"))
         self.acks = bind(self.ctx, zmq.PULL, sibling_endpoint(address, "acks"))
-        for sock in (self.events, self.acks):
-            if address.startswith("ipc://"):
+        if self.pub._tap:
+            # Small HWM and NODROP: a slow or stopped sniffer makes send() fail at once
+            # (counted as tap_dropped); the bus itself never waits for a sniffer.
+            self.tap = self.ctx.socket(zmq.XPUB)
+            self.tap.linger = 0
+            self.tap.setsockopt(zmq.SNDHWM, 1000)
+            self.tap.setsockopt(zmq.XPUB_NODROP, 1)
+            self.tap.bind(sibling_endpoint(address, "tap"))
+        for sock in (self.events, self.acks, self.tap):
+            if sock is not None and address.startswith("ipc://"):
                 os.chmod(sock.getsockopt_string(zmq.LAST_ENDPOINT)[len("ipc://") :], 0o600)
 
     def _loop(self) -> None:
         poller = zmq.Poller()
-        for sock in (self.pipe, self.control, self.acks, self.events):
-            poller.register(sock, zmq.POLLIN)
+        for sock in (self.pipe, self.control, self.acks, self.events, self.tap):
+            if sock is not None:
+                poller.register(sock, zmq.POLLIN)
         beat = self.pub._heartbeat
         next_beat = time.monotonic()
         while True:
@@ -530,7 +542,9 @@ class _Agent:
             if self.acks in ready:
                 self._on_acks()
             if self.events in ready:
-                self._drain_subscriptions()
+                self._drain_subscriptions(self.events)
+            if self.tap is not None and self.tap in ready:
+                self._drain_subscriptions(self.tap)
             now = time.monotonic()
             if now >= next_beat:
                 self._beat(now)
@@ -540,8 +554,20 @@ class _Agent:
             ):
                 return
 
-    def _send_event(self, msg: Message) -> None:
-        self.events.send(encode(msg))
+    def _send_event(self, msg: Message, peer: str = "") -> None:
+        frame = encode(msg)
+        self.events.send(frame)
+        self._mirror("out", peer, frame)
+
+    def _mirror(self, direction: str, peer: str, frame: bytes) -> None:
+        """Copy a frame to the tap, if open; never blocks (drops are counted)."""
+        if self.tap is None:
+            return
+        record = Tap(self.pub.bus, time.time(), direction, peer[:128], frame)
+        try:
+            self.tap.send(encode(record), zmq.NOBLOCK)
+        except zmq.Again:
+            self._count("tap_dropped")
 
     def _on_commands(self) -> bool:
         while self.pipe.poll(0):
@@ -551,7 +577,8 @@ class _Agent:
                 self._send_event(Receive(self.pub.bus, self.seq, int(cmd[1]), int(cmd[2])))
             elif cmd[0] == b"evict":
                 self.seq += 1
-                self._send_event(Stop(self.pub.bus, self.seq, cmd[1].decode(), "evicted"))
+                stop = Stop(self.pub.bus, self.seq, cmd[1].decode(), "evicted")
+                self._send_event(stop, cmd[2].decode())
             elif cmd[0] == b"stop" and self._closing is None:
                 self.seq += 1
                 self._send_event(Stop(self.pub.bus, self.seq, "", "publisher closed"))
@@ -561,10 +588,13 @@ class _Agent:
     def _on_request(self) -> None:
         frames = self.control.recv_multipart()
         reply: Message
+        peer = ""
         try:
             if len(frames) != 1:
                 raise ProtocolError(f"expected one frame, got {len(frames)}")
             msg = decode(frames[0], bus=self.pub.bus)
+            peer = msg.worker_id if isinstance(msg, Hello) else "inspector"
+            self._mirror("in", peer, frames[0])
             if isinstance(msg, Hello):
                 reply = self._welcome(msg)
             elif isinstance(msg, Inspect):
@@ -574,8 +604,15 @@ class _Agent:
         except ProtocolError as exc:
             self._count("rejected")
             log.debug("rejected request: %s", exc)
+            if not peer:
+                self._mirror("in", "", frames[0][:4096] if frames else b"")
             reply = Error(self.pub.bus, str(exc)[:1024])
-        self.control.send(encode(reply))
+        frame = encode(reply)
+        self.control.send(frame)
+        if isinstance(reply, Welcome):  # handle bytes never reach a sniffer
+            redacted = tuple(dataclasses.replace(b, handle=b"") for b in reply.buffers)
+            frame = encode(dataclasses.replace(reply, buffers=redacted))
+        self._mirror("out", peer, frame)
 
     def _welcome(self, hello: Hello) -> Welcome:
         pub = self.pub
@@ -611,10 +648,13 @@ class _Agent:
             heartbeat=pub._heartbeat,
             events=self.events.getsockopt_string(zmq.LAST_ENDPOINT),
             acks=self.acks.getsockopt_string(zmq.LAST_ENDPOINT),
-            tap="",
+            tap=self._tap_endpoint(),
             buffers=(pub._segment.describe(),),
             manifest=pub._layout.specs,
         )
+
+    def _tap_endpoint(self) -> str:
+        return "" if self.tap is None else self.tap.getsockopt_string(zmq.LAST_ENDPOINT)
 
     def _state(self) -> State:
         pub = self.pub
@@ -642,7 +682,8 @@ class _Agent:
                 slots=pub._slots,
                 slot_versions=tuple(pub._registry.slot_versions),
                 heartbeat=pub._heartbeat,
-                tap="",
+                tap=self._tap_endpoint(),
+                events=self.events.getsockopt_string(zmq.LAST_ENDPOINT),
                 buffers=(pub._segment.describe(),),
                 manifest=pub._layout.specs,
                 workers=workers,
@@ -663,7 +704,9 @@ class _Agent:
             except ProtocolError as exc:
                 self._count("rejected")
                 log.debug("dropped message on acks: %s", exc)
+                self._mirror("in", "", frames[0][:4096] if frames else b"")
                 continue
+            self._mirror("in", getattr(msg, "worker_id", ""), frames[0])
             with pub._cond:
                 changed |= self._on_worker_message(msg, now)
         if changed:
@@ -700,12 +743,13 @@ class _Agent:
         for member in lost:
             log.info("worker %s silent for %.1f s: dropped", member.worker_id, limit)
             self.seq += 1
-            self._send_event(Stop(pub.bus, self.seq, member.session, "silent too long"))
+            stop = Stop(pub.bus, self.seq, member.session, "silent too long")
+            self._send_event(stop, member.worker_id)
 
-    def _drain_subscriptions(self) -> None:
+    def _drain_subscriptions(self, sock: zmq.Socket[bytes]) -> None:
         for _ in range(_config.ACK_DRAIN_MAX):
             try:
-                self.events.recv(zmq.NOBLOCK)
+                sock.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
 

@@ -63,21 +63,28 @@ def cmd_worker(args: argparse.Namespace) -> int:
     )
 
 
-def cmd_inspect(args: argparse.Namespace) -> int:
+def _inspect(address: str, timeout: float) -> Any:
     import zmq
 
     from ._deadline import Deadline
     from ._errors import ProtocolError
-    from ._protocol import Inspect, State, to_plain
+    from ._protocol import Inspect, State
     from ._sockets import request
 
     ctx = zmq.Context()
     try:
-        reply = request(ctx, _address(args), Inspect(""), deadline=Deadline(args.timeout))
+        reply = request(ctx, address, Inspect(""), deadline=Deadline(timeout))
     finally:
         ctx.destroy(linger=0)
     if not isinstance(reply, State):
         raise ProtocolError(f"expected STATE, got {reply.TYPE}: {getattr(reply, 'reason', '')}")
+    return reply
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from ._protocol import to_plain
+
+    reply = _inspect(_address(args), args.timeout)
     if args.json:
         print(json.dumps(to_plain(reply), indent=2))
     else:
@@ -128,6 +135,53 @@ def _print_state(state: Any) -> None:
     )
 
 
+def cmd_sniff(args: argparse.Namespace) -> int:
+    import contextlib
+
+    from rich.console import Console
+
+    from ._deadline import Deadline
+    from ._sniff import Sniffer, Summary, read_recording, to_json, to_line, write_record
+
+    out = Console(highlight=False, soft_wrap=True)
+    err = Console(stderr=True, highlight=False, soft_wrap=True)
+    with contextlib.ExitStack() as stack:
+        if args.replay:
+            records = read_recording(stack.enter_context(open(args.replay, "rb")))
+            summary = Summary(set())
+        else:
+            state = _inspect(_address(args), args.timeout)
+            sniffer = stack.enter_context(Sniffer(state))
+            if sniffer.fallback:
+                err.print(
+                    "zmqsync sniff: this bus has no tap (start the publisher with tap=True "
+                    "or ZMQSYNC_TAP=1); showing the events socket only: no acks, no hellos"
+                )
+            records = sniffer.records(Deadline(args.duration))
+            summary = Summary({w.worker_id for w in state.workers})
+        recording = stack.enter_context(open(args.record, "wb")) if args.record else None
+        shown = 0
+        for record in records:
+            if recording is not None:
+                write_record(recording, record)
+            done = summary.add(record)
+            if args.type and record.type not in args.type:
+                continue
+            if args.worker and record.peer not in args.worker:
+                continue
+            if args.json:
+                print(json.dumps(to_json(record)), flush=True)
+            else:
+                out.print(to_line(record, colour=True))
+                if done:
+                    out.print(f"[bold]  {done}[/]")
+            shown += 1
+            if args.count and shown >= args.count:
+                break
+        err.print(f"zmqsync sniff: {shown} messages shown; {summary.final()}")
+    return 0
+
+
 def cmd_gc(args: argparse.Namespace) -> int:
     from ._buffers import collect_garbage
 
@@ -170,6 +224,18 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.add_argument("--timeout", type=float, default=3.0)
     p.set_defaults(func=cmd_inspect)
+
+    p = sub.add_parser("sniff", help="watch a bus: every message, ack latencies, gaps")
+    _add_target(p)
+    p.add_argument("--json", action="store_true", help="one JSON object per message")
+    p.add_argument("--count", type=int, default=None, help="stop after N messages shown")
+    p.add_argument("--duration", type=float, default=None, help="stop after S seconds")
+    p.add_argument("--type", action="append", help="only these message types (repeatable)")
+    p.add_argument("--worker", action="append", help="only messages of these workers")
+    p.add_argument("--record", metavar="FILE", help="save every frame seen to FILE")
+    p.add_argument("--replay", metavar="FILE", help="show a recording instead of a live bus")
+    p.add_argument("--timeout", type=float, default=3.0, help="INSPECT deadline (s)")
+    p.set_defaults(func=cmd_sniff)
 
     p = sub.add_parser("gc", help="remove segments leaked by killed processes")
     p.add_argument("--shm-dir", default=None, help="default: $ZMQSYNC_SHM_DIR or /dev/shm")

@@ -1,0 +1,253 @@
+"""The bus sniffer behind `zmqsync sniff`: reads the publisher's tap, never writes to the bus.
+
+It asks the publisher once (INSPECT) where the tap is and who is on the bus, then only
+listens. Every frame is decoded by `zmqsync._protocol.decode` (there is no second
+parser, and nothing is ever unpickled). Without a tap it falls back to the events
+socket: it then sees what the publisher broadcasts (RECEIVE, STOP, HEARTBEAT) but no
+acks.
+
+Recordings (`--record`) hold the tap frames as they arrived, each prefixed by its
+length (4 bytes, big-endian), so `--replay` runs exactly the same decoding again.
+"""
+
+from __future__ import annotations
+
+import datetime
+import statistics
+import struct
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+import zmq
+
+from ._deadline import Deadline
+from ._errors import ProtocolError
+from ._protocol import Ack, Bye, Hello, Receive, State, Stop, Tap, Welcome, decode, encode, to_plain
+from ._sockets import connect
+
+__all__ = ["Record", "Sniffer", "Summary", "read_recording", "to_json", "to_line"]
+
+_LEN = struct.Struct(">I")
+
+
+@dataclass(frozen=True)
+class Record:
+    """One frame seen on the bus: when, which way, which peer, and what it was."""
+
+    ts: float
+    dir: str
+    peer: str
+    msg: Any  # a protocol message, or None when the frame was invalid
+    error: str = ""
+    nbytes: int = 0
+    raw: bytes = b""  # the tap frame, for --record
+
+    @property
+    def type(self) -> str:
+        return self.msg.TYPE if self.msg is not None else "invalid"
+
+
+def record_from_tap(frame: bytes) -> Record:
+    """Decode one tap frame (the envelope, then the frame inside it)."""
+    tap = decode(frame)
+    if not isinstance(tap, Tap):
+        raise ProtocolError(f"expected a tap record, got {tap.TYPE}")
+    try:
+        inner = decode(tap.frame)
+    except ProtocolError as exc:
+        return Record(tap.ts, tap.dir, tap.peer, None, str(exc), len(tap.frame), frame)
+    return Record(tap.ts, tap.dir, tap.peer, inner, "", len(tap.frame), frame)
+
+
+class Sniffer:
+    """Subscribes to a publisher's tap (or, failing that, its events socket)."""
+
+    def __init__(self, state: State) -> None:
+        self.state = state
+        self.fallback = not state.tap
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self._sock = connect(self._ctx, zmq.SUB, state.events if self.fallback else state.tap)
+        self._sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self._sock.setsockopt(zmq.RCVHWM, 100_000)
+
+    def records(self, deadline: Deadline) -> Iterator[Record]:
+        """Frames as they arrive, until the deadline passes."""
+        while not deadline.expired():
+            if not self._sock.poll(deadline.poll_ms(cap_s=0.2)) & zmq.POLLIN:
+                continue
+            frame = self._sock.recv()
+            if frame.startswith(b"\x00zmqsync"):  # the events socket's subscription frame
+                continue
+            if self.fallback:  # wrap, so that recordings have one format
+                frame = encode(Tap(self.state.bus, time.time(), "out", "", frame))
+            try:
+                yield record_from_tap(frame)
+            except ProtocolError as exc:
+                yield Record(time.time(), "in", "", None, f"bad tap frame: {exc}", len(frame))
+
+    def close(self) -> None:
+        self._sock.close()
+        self._ctx.destroy(linger=0)
+
+    def __enter__(self) -> Sniffer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def read_recording(stream: IO[bytes]) -> Iterator[Record]:
+    """Records of a file written with --record."""
+    while header := stream.read(_LEN.size):
+        (length,) = _LEN.unpack(header)
+        frame = stream.read(length)
+        try:
+            yield record_from_tap(frame)
+        except ProtocolError as exc:
+            yield Record(0.0, "in", "", None, f"bad recorded frame: {exc}", len(frame))
+
+
+def write_record(stream: IO[bytes], record: Record) -> None:
+    if record.raw:
+        stream.write(_LEN.pack(len(record.raw)) + record.raw)
+
+
+def to_json(record: Record) -> dict[str, Any]:
+    """Stable JSON fields: ts, dir, type, peer, then the message's own fields.
+
+    WELCOME/STATE manifests become a tensor count; buffer handles are never shown.
+    """
+    out: dict[str, Any] = {
+        "ts": record.ts,
+        "dir": record.dir,
+        "type": record.type,
+        "peer": record.peer,
+    }
+    if record.msg is None:
+        out.update(error=record.error, bytes=record.nbytes)
+        return out
+    fields = to_plain(record.msg)
+    if "manifest" in fields:
+        fields["tensors"] = len(fields.pop("manifest"))
+    for buf in fields.get("buffers", []):
+        buf.pop("handle", None)
+    if "frame" in fields:
+        fields["frame"] = len(fields["frame"])
+    out.update(fields)
+    return out
+
+
+_SHOWN = {
+    "hello": ("worker_id", "pid", "host", "mode", "transport"),
+    "welcome": ("session", "version", "slot", "seq"),
+    "receive": ("seq", "version", "slot"),
+    "stop": ("seq", "session", "reason"),
+    "heartbeat": ("worker_id", "seq", "version"),
+    "ack": ("worker_id", "version"),
+    "bye": ("worker_id",),
+    "inspect": (),
+    "state": ("version", "seq"),
+    "error": ("reason",),
+}
+_COLOURS = {
+    "receive": "cyan",
+    "ack": "green",
+    "stop": "red",
+    "hello": "magenta",
+    "welcome": "magenta",
+    "bye": "yellow",
+    "invalid": "bold red",
+    "error": "red",
+    "heartbeat": "dim",
+}
+
+
+def to_line(record: Record, *, colour: bool = False) -> str:
+    """One aligned, human-readable line."""
+    clock = datetime.datetime.fromtimestamp(record.ts).strftime("%H:%M:%S.%f")[:-3]
+    arrow = "→" if record.dir == "out" else "←"
+    if record.msg is None:
+        detail = f"{record.error} ({record.nbytes} bytes)"
+    else:
+        plain = to_json(record)
+        detail = " ".join(f"{k}={plain[k]}" for k in _SHOWN.get(record.type, ()))
+    kind, peer = f"{record.type:<9}", f"{record.peer or '*':<20}"
+    if colour:
+        from rich.markup import escape
+
+        kind = f"[{_COLOURS.get(record.type, 'white')}]{kind}[/]"
+        peer, detail = escape(peer), escape(detail)
+    return f"{clock} {arrow} {kind} {peer} {detail}"
+
+
+@dataclass
+class _Version:
+    sent: float
+    expected: set[str]
+    acks: dict[str, float] = field(default_factory=dict)
+
+
+class Summary:
+    """Per-version view: publish → each worker's ack latency, missing workers, gaps, rate."""
+
+    def __init__(self, workers: set[str]) -> None:
+        self.workers = set(workers)
+        self.versions: dict[int, _Version] = {}
+        self.last_seq: int | None = None
+        self.gaps = 0
+        self.first: float | None = None
+        self.last: float | None = None
+        self.invalid = 0
+
+    def add(self, record: Record) -> str | None:
+        """Account for `record`; returns a summary line when a version is complete."""
+        msg = record.msg
+        if msg is None:
+            self.invalid += 1
+            return None
+        if isinstance(msg, Hello):
+            self.workers.add(msg.worker_id)
+        elif isinstance(msg, Bye):
+            self.workers.discard(msg.worker_id)
+        elif isinstance(msg, Stop) and msg.session and record.peer:
+            self.workers.discard(record.peer)
+        if isinstance(msg, Receive | Stop):
+            if self.last_seq is not None and msg.seq > self.last_seq + 1:
+                self.gaps += msg.seq - self.last_seq - 1
+            self.last_seq = msg.seq
+        if isinstance(msg, Receive):
+            self.versions[msg.version] = _Version(record.ts, set(self.workers))
+            self.first = record.ts if self.first is None else self.first
+            self.last = record.ts
+        elif isinstance(msg, Ack) and msg.version in self.versions:
+            v = self.versions[msg.version]
+            v.acks.setdefault(msg.worker_id, record.ts - v.sent)
+            if v.expected and v.expected <= set(v.acks):
+                return self.line(msg.version)
+        elif isinstance(msg, Welcome) and record.peer:
+            self.workers.add(record.peer)
+        return None
+
+    def line(self, version: int) -> str:
+        v = self.versions[version]
+        lat = sorted(v.acks.values())
+        missing = sorted(v.expected - set(v.acks))
+        text = f"v{version}: {len(v.acks)}/{len(v.expected)} acks"
+        if lat:
+            text += f", p50 {statistics.median(lat) * 1e3:.2f} ms, max {lat[-1] * 1e3:.2f} ms"
+        if missing:
+            text += f", missing {', '.join(missing)}"
+        return text
+
+    def final(self) -> str:
+        n = len(self.versions)
+        rate = ""
+        if n > 1 and self.first is not None and self.last is not None and self.last > self.first:
+            rate = f", {(n - 1) / (self.last - self.first):.1f} publishes/s"
+        complete = sum(1 for v in self.versions.values() if v.expected <= set(v.acks))
+        return (
+            f"{n} versions seen ({complete} fully acked){rate}, {self.gaps} sequence gaps, "
+            f"{self.invalid} invalid frames"
+        )
