@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import zmq
 
-from . import _config
+from . import _config, _lifecycle
 from ._buffers import CpuSegment, collect_garbage, segment_name
 from ._deadline import Deadline
 from ._errors import ClosedError, ProtocolError, PublishTimeout, ZmqSyncError
@@ -233,6 +233,7 @@ class Publisher:
             stack.callback(self._agent.stop)
             self._resources = stack.pop_all()
         self._state = "started"
+        _lifecycle.track(self)
         log.info(
             "publisher %r started at %s (%d tensors, %.1f MiB, %d slots)",
             self.name,

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import zmq
 
-from . import _config
+from . import _config, _lifecycle
 from ._apply import Target
 from ._buffers import CpuAttachment
 from ._deadline import Deadline
@@ -157,6 +157,7 @@ class Subscriber:
         self.address = self._address_arg or _config.default_address(self.name)
         self._agent = _Agent(self)
         self._agent.start(Deadline(self._timeout))
+        _lifecycle.track(self)
         log.info(
             "subscriber %s joined %s at version %d (%s/%s)",
             self.worker_id,

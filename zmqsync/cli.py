@@ -86,7 +86,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
     reply = _inspect(_address(args), args.timeout)
     if args.json:
-        print(json.dumps(to_plain(reply), indent=2))
+        plain = to_plain(reply)
+        for buf in plain["buffers"]:
+            buf.pop("handle")  # IPC handle bytes are for subscribers, not for screens
+        print(json.dumps(plain, indent=2))
     else:
         _print_state(reply)
     return 0
