@@ -1,0 +1,298 @@
+"""The publisher's bookkeeping, driven directly: no sockets, no threads, explicit `now`.
+
+`Registry` decides who is on the bus, which acks count, and which slot may be
+written. The slot rule is the safety property of the whole bus: a slot a live worker
+may be reading, or (alias mode) computes with, is never handed out.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from zmqsync._protocol import Hello
+from zmqsync._registry import Registry, WorkerInfo
+
+BUS = "0123456789abcdef"
+
+
+def hello(worker_id: str, mode: str = "copy", pid: int = 100) -> Hello:
+    return Hello(BUS, worker_id, pid, "host", mode, "cpu")
+
+
+def started(slots: int = 2) -> Registry:
+    """A registry as Publisher.start() leaves it: version 0 in slot 0."""
+    reg = Registry(slots)
+    reg.record(0, 0)
+    return reg
+
+
+def publish(reg: Registry) -> int:
+    """What Publisher.publish() does with the registry: claim a slot, record the version."""
+    slot = reg.free_slot()
+    assert slot is not None, f"no free slot; blockers={reg.blockers()}"
+    reg.record(reg.latest + 1, slot)
+    return slot
+
+
+# --- membership -------------------------------------------------------------------------
+
+
+def test_join_registers_a_member_welcomed_at_the_latest_version():
+    reg = started()
+    publish(reg)
+    member = reg.join(hello("w0", mode="alias", pid=42), "s0", now=5.0)
+    assert reg.members == {"w0": member}
+    assert (member.worker_id, member.session, member.pid, member.host) == ("w0", "s0", 42, "host")
+    assert (member.mode, member.transport) == ("alias", "cpu")
+    assert member.floor == 1 and member.acked == -1 and member.last_seen == 5.0
+
+
+def test_ack_counts_only_for_the_current_session_and_published_versions():
+    reg = started()
+    reg.join(hello("w0"), "s0", now=0.0)
+    assert not reg.ack("w0", "other", 0, now=1.0), "a session we never welcomed"
+    assert not reg.ack("nobody", "s0", 0, now=1.0), "a worker we do not know"
+    assert reg.members["w0"].acked == -1 and reg.members["w0"].last_seen == 0.0
+    assert not reg.ack("w0", "s0", 1, now=1.0), "version 1 was never published"
+    assert reg.members["w0"].acked == -1
+    assert reg.ack("w0", "s0", 0, now=2.0)
+    assert reg.members["w0"].acked == 0 and reg.members["w0"].last_seen == 2.0
+    publish(reg)
+    publish(reg)
+    assert reg.ack("w0", "s0", 2, now=3.0)
+    assert reg.ack("w0", "s0", 1, now=4.0), "a late ack for an older version is harmless"
+    assert reg.members["w0"].acked == 2, "acked never goes backwards"
+    assert reg.members["w0"].last_seen == 4.0
+
+
+def test_seen_refreshes_only_the_current_session():
+    reg = started()
+    reg.join(hello("w0"), "s0", now=0.0)
+    assert not reg.seen("w0", "old", now=9.0)
+    assert reg.members["w0"].last_seen == 0.0
+    assert reg.seen("w0", "s0", now=3.0)
+    assert reg.members["w0"].last_seen == 3.0
+    assert not reg.seen("nobody", "s0", now=3.0)
+
+
+def test_leave_needs_the_right_session():
+    reg = started()
+    reg.join(hello("w0"), "s0", now=0.0)
+    assert reg.leave("w0", "old") is None
+    assert "w0" in reg.members
+    member = reg.leave("w0", "s0")
+    assert member is not None and member.session == "s0"
+    assert reg.members == {}
+    assert reg.leave("w0", "s0") is None, "leaving twice is harmless"
+
+
+def test_evict_drops_known_workers_and_ignores_unknown_ones():
+    reg = started()
+    for w in ("a", "b", "c"):
+        reg.join(hello(w), f"s-{w}", now=0.0)
+    gone = reg.evict(["a", "zzz", "c", "a"])
+    assert [m.worker_id for m in gone] == ["a", "c"]
+    assert list(reg.members) == ["b"]
+    assert reg.evict([]) == []
+
+
+def test_a_reused_worker_id_replaces_the_old_process():
+    reg = started()
+    reg.join(hello("w0", pid=1), "old", now=0.0)
+    assert reg.ack("w0", "old", 0, now=1.0)
+    publish(reg)
+    new = reg.join(hello("w0", mode="alias", pid=2), "new", now=2.0)
+    assert reg.members == {"w0": new}
+    assert (new.pid, new.mode, new.floor, new.acked) == (2, "alias", 1, -1)
+    # the old process's late messages must not touch the new entry
+    assert not reg.ack("w0", "old", 1, now=3.0)
+    assert reg.members["w0"].acked == -1
+    assert not reg.seen("w0", "old", now=4.0)
+    assert reg.members["w0"].last_seen == 2.0
+    assert reg.leave("w0", "old") is None
+    assert reg.members["w0"] is new
+    assert reg.missing(1, ["w0"]) == ["w0"], "the new process still owes its ack"
+    assert reg.ack("w0", "new", 1, now=5.0)
+    assert reg.missing(1, ["w0"]) == []
+
+
+def test_find_distinguishes_sessions():
+    reg = started()
+    member = reg.join(hello("w0"), "s0", now=0.0)
+    assert reg.find("w0", "s0") is member
+    assert reg.find("w0", "s1") is None
+    assert reg.find("w1", "s0") is None
+
+
+# --- liveness ---------------------------------------------------------------------------
+
+
+def test_silent_lists_workers_not_heard_from_within_the_limit():
+    reg = started()
+    reg.join(hello("a"), "sa", now=0.0)
+    reg.join(hello("b"), "sb", now=0.0)
+    reg.join(hello("c"), "sc", now=0.0)
+    reg.ack("a", "sa", 0, now=8.0)
+    reg.seen("b", "sb", now=6.0)
+    assert reg.silent(now=9.0, limit_s=3.0) == ["c"]
+    assert reg.silent(now=9.0, limit_s=9.0) == [], "exactly at the limit is not yet silent"
+    assert reg.silent(now=10.0, limit_s=3.0) == ["b", "c"]
+    assert reg.silent(now=100.0, limit_s=3.0) == ["a", "b", "c"]
+
+
+def test_missing_lists_targets_on_the_bus_that_owe_an_ack():
+    reg = started()
+    for w in ("a", "b", "c"):
+        reg.join(hello(w), f"s{w}", now=0.0)
+    publish(reg)
+    reg.ack("b", "sb", 1, now=1.0)
+    assert reg.missing(1, ["c", "a", "b"]) == ["c", "a"], "in the targets' order"
+    assert reg.missing(1, ["a", "gone"]) == ["a"], "a target that left owes nothing"
+    assert reg.missing(0, ["a", "b", "c"]) == ["a", "c"]
+    reg.leave("a", "sa")
+    assert reg.missing(1, ["a", "b", "c"]) == ["c"]
+
+
+def test_infos_snapshot_with_wall_clock_last_seen():
+    reg = started()
+    reg.join(hello("w0", pid=7), "s0", now=10.0)
+    reg.ack("w0", "s0", 0, now=12.0)
+    infos = reg.infos(wall_offset=1000.0)
+    assert infos == {"w0": WorkerInfo("w0", 7, "host", 0, "copy", "cpu", 1012.0)}
+    with pytest.raises(AttributeError):
+        infos["w0"].version = 3  # type: ignore[misc]
+
+
+# --- versions and slots -----------------------------------------------------------------
+
+
+def test_record_and_slot_of():
+    reg = Registry(3)
+    assert reg.latest == -1 and reg.slot_versions == [-1, -1, -1]
+    reg.record(0, 0)
+    reg.record(1, 2)
+    assert reg.latest == 1 and reg.slot_versions == [0, -1, 1]
+    assert reg.slot_of(1) == 2 and reg.slot_of(0) == 0
+    with pytest.raises(ValueError):
+        reg.slot_of(5)
+
+
+def test_free_slot_prefers_empty_then_oldest():
+    reg = started(slots=3)
+    assert reg.free_slot() == 1, "an empty slot first"
+    assert publish(reg) == 1
+    assert publish(reg) == 2
+    assert reg.slot_versions == [0, 1, 2]
+    assert reg.free_slot() == 0, "then the oldest version"
+    assert publish(reg) == 0
+    assert reg.free_slot() == 1
+
+
+def test_copy_worker_that_acked_the_latest_blocks_nothing():
+    reg = started()
+    reg.join(hello("c"), "sc", now=0.0)
+    reg.ack("c", "sc", 0, now=0.0)
+    assert publish(reg) == 1
+    reg.ack("c", "sc", 1, now=0.0)
+    assert reg.holders(0) == [] and reg.holders(1) == []
+    assert reg.free_slot() == 0
+    assert reg.blockers() == []
+
+
+def test_worker_that_has_not_acked_the_latest_blocks_the_latest_slot():
+    reg = started()
+    reg.join(hello("c"), "sc", now=0.0)
+    assert reg.holders(0) == ["c"], "welcomed at 0 and still reading it"
+    reg.ack("c", "sc", 0, now=0.0)
+    assert publish(reg) == 1  # version 1 in slot 1
+    assert reg.holders(1) == ["c"] and reg.holders(0) == []
+    assert reg.free_slot() == 0, "version 2 may go where version 0 was"
+    assert publish(reg) == 0  # version 2 in slot 0; c has acked neither 1 nor 2
+    assert reg.holders(0) == ["c"] and reg.holders(1) == ["c"]
+    assert reg.free_slot() is None
+    assert reg.blockers() == ["c"]
+    reg.ack("c", "sc", 2, now=0.0)
+    assert reg.free_slot() == 1
+
+
+def test_alias_worker_holding_a_version_blocks_its_slot():
+    reg = started()
+    reg.join(hello("a", mode="alias"), "sa", now=0.0)
+    reg.join(hello("c"), "sc", now=0.0)
+    reg.ack("a", "sa", 0, now=0.0)
+    reg.ack("c", "sc", 0, now=0.0)
+    assert reg.holders(0) == ["a"], "alias: it computes with version 0's bytes"
+    assert publish(reg) == 1
+    reg.ack("c", "sc", 1, now=0.0)
+    assert reg.holders(0) == ["a"] and reg.holders(1) == ["a"]
+    assert reg.free_slot() is None, "a holds 0 and has not yet moved to 1"
+    assert reg.blockers() == ["a"]
+    reg.ack("a", "sa", 1, now=0.0)
+    assert reg.holders(0) == [] and reg.holders(1) == ["a"]
+    assert reg.free_slot() == 0
+    assert publish(reg) == 0
+
+
+def test_alias_worker_that_left_or_was_evicted_releases_its_slot():
+    reg = started()
+    reg.join(hello("a", mode="alias"), "sa", now=0.0)
+    reg.ack("a", "sa", 0, now=0.0)
+    publish(reg)
+    assert reg.free_slot() is None
+    reg.evict(["a"])
+    assert reg.free_slot() == 0
+    assert reg.blockers() == []
+
+
+def test_single_slot_alias_holders_do_not_block_the_only_slot():
+    reg = started(slots=1)
+    reg.join(hello("a", mode="alias"), "sa", now=0.0)
+    reg.join(hello("b", mode="alias"), "sb", now=0.0)
+    assert reg.free_slot() is None, "alias readers still mapping version 0 block it"
+    assert reg.blockers() == ["a", "b"]
+    reg.ack("a", "sa", 0, now=0.0)
+    reg.ack("b", "sb", 0, now=0.0)
+    assert reg.holders(0) == []
+    assert reg.free_slot() == 0, "slots=1: the seqlock protects alias readers instead"
+    assert publish(reg) == 0
+    assert reg.free_slot() is None, "readers of version 1 are in flight"
+    reg.ack("a", "sa", 1, now=0.0)
+    reg.ack("b", "sb", 1, now=0.0)
+    assert reg.free_slot() == 0
+
+
+def test_single_slot_copy_reader_in_flight_blocks_the_only_slot():
+    reg = started(slots=1)
+    reg.join(hello("a", mode="alias"), "sa", now=0.0)
+    reg.ack("a", "sa", 0, now=0.0)
+    reg.join(hello("c"), "sc", now=0.0)
+    assert reg.free_slot() is None, "c is copying version 0 out of the only slot"
+    assert reg.blockers() == ["c"]
+    reg.ack("c", "sc", 0, now=0.0)
+    assert reg.free_slot() == 0
+    assert publish(reg) == 0
+    reg.ack("a", "sa", 1, now=0.0)
+    assert reg.free_slot() is None and reg.blockers() == ["c"]
+    reg.leave("c", "sc")
+    assert reg.free_slot() == 0
+
+
+def test_late_joiner_never_blocks_versions_older_than_its_welcome():
+    reg = started(slots=3)
+    publish(reg)
+    publish(reg)  # versions 0, 1, 2 in slots 0, 1, 2
+    reg.join(hello("late"), "sl", now=0.0)  # welcomed at 2
+    assert reg.holders(0) == [] and reg.holders(1) == [] and reg.holders(2) == ["late"]
+    assert reg.free_slot() == 0
+    reg.ack("late", "sl", 1, now=0.0)  # an ack below its floor changes nothing
+    assert reg.holders(2) == ["late"]
+
+
+def test_blockers_are_sorted_and_unique():
+    reg = started()
+    for w in ("z", "m", "a"):
+        reg.join(hello(w, mode="alias"), f"s{w}", now=0.0)
+        reg.ack(w, f"s{w}", 0, now=0.0)
+    publish(reg)
+    assert reg.free_slot() is None
+    assert reg.blockers() == ["a", "m", "z"]
