@@ -38,13 +38,17 @@ class _Verifier:
             "event": "applied",
             "worker": self.sub.worker_id,
             "version": version,
+            "bus": self.sub._bus,
         }
         if self.verify:
-            got, want = digest(flat), stored_digest(flat)
-            ok = want is None or got == want
-            record.update(checksum=got, expected=want, ok=ok)
+            # The seqlock guard is the reader's side of the protocol: it can only trip
+            # when this worker was evicted (or slots=1) and its slot was rewritten.
+            with self.sub.reading() as reading:
+                got, want = digest(flat), stored_digest(flat)
+            ok = want is None or got == want or reading.torn
+            record.update(checksum=got, expected=want, ok=ok, torn_detected=reading.torn)
             with self.lock:
-                self.verified += want is not None and ok
+                self.verified += want is not None and got == want
                 if not ok:
                     self.mismatches.append(version)
                     log.error("version %d: checksum %s != published %s", version, got, want)

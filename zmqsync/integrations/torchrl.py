@@ -1,0 +1,597 @@
+"""torchrl adapter: `ZmqWeightSyncScheme`, a torchrl ``WeightSyncScheme`` on a zmqsync bus.
+
+Change one line of a torchrl script::
+
+    collector = MultiSyncCollector(
+        [make_env] * 4, policy, frames_per_batch=256, total_frames=-1,
+        weight_sync_schemes={"policy": ZmqWeightSyncScheme()},  # was SharedMemWeightSyncScheme()
+        track_policy_version=True,      # optional: every frame says which version acted
+    )
+    for batch in collector:
+        ...                                  # train `policy`
+        collector.update_policy_weights_()   # publishes version v+1; every worker applied it
+
+It hooks in where torchrl's ``SharedMemWeightSyncScheme`` does:
+
+* **Sender** (the process that owns the collector, or a trainer on its own):
+  ``init_on_sender`` starts a `zmqsync.Publisher` over the policy — version 0 — before
+  torchrl starts its workers; ``send()``, which ``update_policy_weights_()`` calls, is
+  ``Publisher.publish()``.
+* **Receivers** (each torchrl worker, or a collector started on its own with
+  ``weight_recv_schemes=``): ``connect()`` starts a `zmqsync.Subscriber` bound to the
+  worker's policy. The bus name and address travel in the scheme's pickled state as
+  plain strings — no tensor, handle or queue is pickled — so a process torchrl did not
+  spawn attaches the same way, by name.
+* **Versions** are the bus's: the sender sets the collector's ``policy_version`` to each
+  published version, and a receiver sets its collector's ``PolicyVersion`` transform to
+  the version it applied. With ``track_policy_version=True`` on the collector, every
+  frame's ``("next", "policy_version")`` names the version whose weights chose its action
+  (the root ``"policy_version"`` is stamped one step earlier, when the observation was
+  made).
+* **Failure** is the bus's: a dead worker is dropped after ~6 missed heartbeats, so
+  ``update_policy_weights_()`` never hangs on it; a worker that joins late gets the
+  current version at once.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import re
+import secrets
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._config import check_name
+from .._config import shm_dir as resolve_shm_dir
+from .._publisher import Publish, Publisher
+from .._subscriber import Subscriber
+
+try:
+    from tensordict import TensorDict, TensorDictBase
+    from torchrl.envs.llm.transforms import PolicyVersion
+    from torchrl.weight_update.utils import _resolve_model
+    from torchrl.weight_update.weight_sync_schemes import WeightSyncScheme
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "zmqsync.integrations.torchrl needs torchrl (>= 0.14): pip install 'zmqsync[torchrl]'"
+    ) from exc
+
+__all__ = ["ZmqWeightSyncScheme"]
+
+log = logging.getLogger(__name__)
+
+_EXTRA_STATE = "__extra_state__"  # torchrl's key for module extra state: not a tensor leaf
+# Senders a forked child inherited from its parent. They belong to the parent: closing
+# them here would unlink the parent's segment, so they are kept alive, never closed.
+_INHERITED_SENDERS: list[_Sender] = []
+
+
+class ZmqWeightSyncScheme(WeightSyncScheme):  # type: ignore[misc]
+    """Synchronize one model of a torchrl collector through a zmqsync bus.
+
+    Args:
+        name: bus name. None: a unique name is chosen by the sender and handed to
+            torchrl's workers; give one to let collectors started elsewhere attach
+            (``ZmqWeightSyncScheme(name="policy")`` on both sides).
+        address: control address; None: ``ipc://<runtime dir>/<name>.sock``.
+        mode: receivers' apply mode, "copy" (the policy keeps its tensors) or "alias"
+            (its parameters become read-only views into the shared buffer; CPU only).
+        apply: "background" (a thread applies each version on arrival, as torchrl's
+            schemes do) or "manual" (a worker applies the newest version at the start of
+            its next rollout, or when ``collector.receive_weights()`` is called, so a
+            rollout never mixes two versions).
+        sync: whether ``update_policy_weights_()`` waits until every worker applied the
+            version. None: True with apply="background", False with "manual" (a manual
+            worker applies at its next rollout, which a sync collector starts only after
+            the update returns).
+        slots: copies of the model in the shared buffer (see the zmqsync guide).
+        timeout: deadline (s) of a publish and of a receiver's handshake.
+        on_timeout: "raise" (``PublishTimeout`` naming the missing workers) or "evict".
+        heartbeat: the sender's heartbeat interval (s); a receiver silent for about six
+            beats is dropped.
+        worker_id: a receiver's id on the bus. None: ``<name>-w<i>`` for torchrl's
+            worker ``i``, ``<host>-<pid>`` for a collector started on its own.
+        shm_dir: tmpfs directory of the shared buffer (default ``$ZMQSYNC_SHM_DIR`` or
+            /dev/shm); the sender's choice is handed to torchrl's workers.
+        strategy: torchrl's weight format for ``apply_weights``; kept for compatibility.
+    """
+
+    def __init__(
+        self,
+        name: str | None = None,
+        address: str | None = None,
+        *,
+        mode: str = "copy",
+        apply: str = "background",
+        sync: bool | None = None,
+        slots: int = 2,
+        timeout: float | None = 10.0,
+        on_timeout: str = "raise",
+        heartbeat: float = 0.5,
+        worker_id: str | None = None,
+        shm_dir: str | None = None,
+        strategy: str = "tensordict",
+    ) -> None:
+        self._sender: _Sender | None = None
+        self._subscriber: Subscriber | None = None
+        self._bound_model: Any = None
+        self._hooked_context: Any = None
+        self._version_lock = threading.Lock()
+        self.last_publish: Publish | None = None
+        super().__init__(strategy)
+        if mode not in ("copy", "alias"):
+            raise ValueError(f'mode must be "copy" or "alias", not {mode!r}')
+        if apply not in ("background", "manual"):
+            raise ValueError(f'apply must be "background" or "manual", not {apply!r}')
+        if on_timeout not in ("raise", "evict"):
+            raise ValueError(f'on_timeout must be "raise" or "evict", not {on_timeout!r}')
+        if not 1 <= slots <= 64:
+            raise ValueError(f"slots must be between 1 and 64, not {slots}")
+        self._name = None if name is None else check_name(name)
+        self._address = address
+        self._mode = mode
+        self._apply = apply
+        self._sync = apply == "background" if sync is None else bool(sync)
+        self._slots = slots
+        self._timeout = timeout
+        self._on_timeout = on_timeout
+        self._heartbeat = heartbeat
+        self._worker_id = worker_id
+        self._shm_dir = shm_dir
+
+    # --- what users look at ----------------------------------------------------------
+
+    @property
+    def name(self) -> str | None:
+        """The bus name (chosen by the sender when None was given)."""
+        return self._name
+
+    @property
+    def address(self) -> str | None:
+        """The bus's control address, once the sender started it (or as given)."""
+        return self._address
+
+    @property
+    def publisher(self) -> Publisher | None:
+        """The sender's `zmqsync.Publisher` (``.workers``, ``.version``), else None."""
+        return self._sender.publisher if self._sender is not None else None
+
+    @property
+    def subscriber(self) -> Subscriber | None:
+        """A receiver's `zmqsync.Subscriber` (``.version``, ``.connected``), else None."""
+        return self._subscriber
+
+    @property
+    def version(self) -> int:
+        """Sender: the last published version. Receiver: the version its policy computes
+        with. -1 before either side is set up."""
+        if self._sender is not None:
+            return self._sender.publisher.version
+        if self._subscriber is not None:
+            return self._subscriber.version
+        return -1
+
+    def __enter__(self) -> ZmqWeightSyncScheme:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    def __repr__(self) -> str:
+        side = "sender" if self._sender else "receiver" if self._subscriber else "idle"
+        return f"<ZmqWeightSyncScheme {self._name!r} {side} v{self.version} {self._mode}/{self._apply}>"
+
+    # --- sender side -------------------------------------------------------------------
+
+    def _init_on_sender_impl(
+        self,
+        *,
+        model_id: str | None = None,
+        context: Any = None,
+        model: Any = None,
+        weights: Any = None,
+        params_map: Any = None,
+        **_ignored: Any,
+    ) -> None:
+        """Start the bus over the model (version 0), before torchrl starts its workers.
+
+        ``devices``, ``num_workers`` and ``ctx`` are accepted and ignored: the buffer is
+        on the CPU and each worker copies to its own device.
+
+        Raises:
+            NotImplementedError: per-worker weights (``params_map``, distinct policy
+                factories) — a bus carries one set of weights.
+            ValueError: nothing to publish was given.
+        """
+        if params_map is not None:
+            raise NotImplementedError(
+                "ZmqWeightSyncScheme publishes one set of weights to every worker; "
+                "params_map (per-worker weights) is not supported"
+            )
+        if self._sender is not None:
+            return
+        self.model_id = model_id or "policy"
+        if context is not None:
+            self.context = context
+        source = self._source(context, model, weights)
+        name = self._name or _generated_name(self.model_id)
+        shm_dir = resolve_shm_dir(self._shm_dir)
+        self._sender = _Sender(
+            source,
+            Publisher(
+                _on_cpu(source),
+                self._address,
+                name=name,
+                slots=self._slots,
+                timeout=self._timeout,
+                on_timeout=self._on_timeout,
+                heartbeat=self._heartbeat,
+                shm_dir=shm_dir,
+            ),
+        )
+        self._name, self._address, self._shm_dir = name, self._sender.publisher.address, shm_dir
+        self._sync_tracker(0)
+
+    def _source(self, context: Any, model: Any, weights: Any) -> Any:
+        if weights is not None:
+            return _payload(weights)
+        if model is not None:
+            return model
+        if context is None:
+            raise ValueError("init_on_sender() needs context=, model= or weights=")
+        found = _find_model(context, self.model_id)
+        if isinstance(found, nn.Module | TensorDictBase):
+            return found
+        raise TypeError(
+            f"model {self.model_id!r} of {type(context).__name__} is a "
+            f"{type(found).__name__}, not a module with weights; a policy without "
+            "weights (e.g. RandomPolicy) needs no weight sync scheme"
+        )
+
+    def _setup_connection_and_weights_on_sender_impl(
+        self, *, worker_idx: int | None = None, weights: Any = None
+    ) -> None:
+        """Workers fetch the current version when they join; explicit weights are published."""
+        if weights is not None:
+            self._publish(weights, None, wait=False)
+
+    def send(self, weights: Any = None, worker_ids: Any = None) -> None:
+        """Publish a new version; with ``sync`` wait until every worker applied it.
+
+        Args:
+            weights: None (re-read the model the bus was started over), a module, a
+                TensorDict or a state_dict with the same keys, shapes and dtypes, or the
+                name of a model of the collector.
+            worker_ids: torchrl worker indices (or zmqsync worker ids) that must apply
+                this version before ``send`` returns; the others receive it too.
+
+        Raises:
+            PublishTimeout: with on_timeout="raise", workers did not apply the version
+                within ``timeout`` (``.missing`` names them).
+            LayoutMismatch: ``weights`` differ from the bus's keys, shapes or dtypes.
+        """
+        self._publish(weights, worker_ids, wait=self._sync)
+
+    def _publish(self, weights: Any, worker_ids: Any, *, wait: bool) -> Publish:
+        if self._sender is None:
+            raise RuntimeError("ZmqWeightSyncScheme.send() needs init_on_sender() first")
+        if isinstance(weights, str):
+            weights = _resolve_model(self.context, weights)
+        publish = self._sender.publish(
+            None if weights is None else _payload(weights),
+            workers=self._targets(worker_ids),
+            wait=wait,
+        )
+        self.last_publish = publish
+        self._sync_tracker(publish.version)
+        return publish
+
+    def _targets(self, worker_ids: Any) -> list[str] | None:
+        if worker_ids is None:
+            return None
+        ids = [worker_ids] if isinstance(worker_ids, int | str) else list(worker_ids)
+        names = []
+        for worker in ids:
+            if isinstance(worker, bool) or not isinstance(worker, int | str):
+                raise TypeError(
+                    f"worker_ids must be torchrl worker indices or zmqsync worker ids, "
+                    f"not {type(worker).__name__}"
+                )
+            names.append(self._worker_name(worker) if isinstance(worker, int) else worker)
+        return names
+
+    def _worker_name(self, worker_idx: int) -> str:
+        return f"{self._name or 'weights'}-w{worker_idx}"
+
+    # --- receiver side -----------------------------------------------------------------
+
+    def _init_on_receiver_impl(
+        self,
+        model_id: str,
+        context: Any = None,
+        *,
+        model: Any = None,
+        worker_idx: int | None = None,
+        **_ignored: Any,
+    ) -> None:
+        self.model_id = model_id
+        if context is not None:
+            model = _find_model(context, model_id) if model is None else model
+            worker_idx = getattr(context, "worker_idx", worker_idx)
+            self.context = context
+        if model is not None:
+            self.model = model
+        self.worker_idx = worker_idx
+
+    def _setup_connection_and_weights_on_receiver_impl(
+        self, *, worker_idx: int | None = None
+    ) -> None:
+        """Join the bus: the policy gets the current version before this returns.
+
+        Raises:
+            ConnectTimeout: no sender answered at the bus's address within ``timeout``.
+            LayoutMismatch: the policy's weights differ from what the bus carries.
+        """
+        if self._name is None and self._address is None:
+            raise ValueError(
+                "this ZmqWeightSyncScheme was not set up by a sender: pass the bus's name "
+                '(ZmqWeightSyncScheme(name="policy")) to attach to a bus started elsewhere'
+            )
+        if worker_idx is not None:
+            self.worker_idx = worker_idx
+        model = self.model
+        if model is None:
+            raise ValueError(f"no model to update for {self.model_id!r}")
+        self._attach(model)
+        atexit.register(self._close_receiver)
+
+    def _attach(self, model: Any) -> None:
+        _materialize(model, self._strategy)
+        worker_id = self._worker_id
+        if worker_id is None and self.worker_idx is not None:
+            worker_id = self._worker_name(self.worker_idx)
+        self._bound_model = model
+        self._subscriber = Subscriber(
+            self._address,
+            model,
+            name=self._name or "weights",
+            mode=self._mode,
+            apply=self._apply,
+            worker_id=worker_id,
+            timeout=self._timeout,
+            on_update=self._on_version,
+            shm_dir=self._shm_dir,
+        ).start()
+        if self.context is not None:
+            self._adopt(self.context)
+
+    def receive(self, timeout: float | None = None) -> Any:
+        """Manual apply: apply the newest version now, if one arrived.
+
+        ``collector.receive_weights()`` calls this. In background mode versions apply by
+        themselves and this returns None.
+
+        Args:
+            timeout: seconds to wait for a version to arrive; None: do not wait.
+
+        Returns:
+            The applied weights (a TensorDict), or None when nothing new was applied.
+        """
+        sub = self._subscriber
+        if sub is None:
+            raise RuntimeError("receive() is for a receiver, after connect()")
+        if self._apply != "manual" or not sub.poll(0.0 if timeout is None else timeout):
+            return None
+        return sub.weights
+
+    def _on_version(self, version: int) -> None:
+        """Subscriber callback (after each apply, before the ack)."""
+        self._sync_tracker(version)
+
+    def _adopt(self, context: Any) -> None:
+        """The receiver's collector is known: align its version, hook manual applies."""
+        assert self._subscriber is not None
+        self._sync_tracker(self._subscriber.version)
+        if self._apply != "manual" or self._hooked_context is context:
+            return
+        from torchrl.collectors import BaseCollector  # loaded already: context is a collector
+
+        if not isinstance(context, BaseCollector):
+            raise TypeError(
+                f'apply="manual" needs a torchrl collector with pre_collect_hook, '
+                f"not {type(context).__name__}; call scheme.receive() at your safe points"
+            )
+        context.pre_collect_hook = _SafePoint(self, context.pre_collect_hook)
+        self._hooked_context = context
+
+    def _rebind(self, model: Any) -> None:
+        """torchrl replaced the worker's policy (e.g. a copy on the policy device)."""
+        log.info("policy of %s replaced: re-attaching to bus %r", self.worker_idx, self._name)
+        if self._subscriber is not None:
+            self._subscriber.close()
+            self._subscriber = None
+        self._attach(model)
+
+    def _close_receiver(self) -> None:
+        sub, self._subscriber = self._subscriber, None
+        self._bound_model = None
+        if sub is not None:
+            sub.close()
+
+    # --- torchrl's hooks into the scheme -------------------------------------------------
+
+    @property
+    def context(self) -> Any:
+        return WeightSyncScheme.context.fget(self)
+
+    @context.setter
+    def context(self, context: Any) -> None:
+        WeightSyncScheme.context.fset(self, context)
+        if context is not None and self._subscriber is not None:
+            self._adopt(context)
+
+    @property
+    def model(self) -> Any:
+        return WeightSyncScheme.model.fget(self)
+
+    @model.setter
+    def model(self, model: Any) -> None:
+        WeightSyncScheme.model.fset(self, model)
+        if self._subscriber is not None and model is not None and model is not self._bound_model:
+            self._rebind(model)
+
+    def _sync_tracker(self, version: int) -> None:
+        """Make the collector's PolicyVersion (if any) say the bus version."""
+        context = self.context
+        tracker = getattr(context, "policy_version_tracker", None)
+        if isinstance(tracker, PolicyVersion) and tracker.version_type in (int, "int"):
+            with self._version_lock:
+                tracker.version = version
+
+    def create_transport(self, **kwargs: Any) -> Any:
+        """Not used: the zmqsync bus is the transport."""
+        raise NotImplementedError("ZmqWeightSyncScheme moves weights through its zmqsync bus")
+
+    def shutdown(self) -> None:
+        """Close the bus (sender) or leave it (receiver). Idempotent.
+
+        torchrl's collectors do not shut their schemes down: call this (or use the scheme
+        as a context manager) after ``collector.shutdown()``.
+        """
+        sender, self._sender = getattr(self, "_sender", None), None
+        if sender is not None and sender.pid == os.getpid():
+            sender.publisher.close()
+        if getattr(self, "_subscriber", None) is not None:
+            atexit.unregister(self._close_receiver)
+            self._close_receiver()
+        super().shutdown()
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What torchrl pickles to its workers: options, bus name and address — strings."""
+        state: dict[str, Any] = super().__getstate__()
+        state.update(
+            _sender=None,
+            _subscriber=None,
+            _bound_model=None,
+            _hooked_context=None,
+            _version_lock=None,
+            last_publish=None,
+        )
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        inherited = self.__dict__.get("_sender")
+        if inherited is not None and inherited.pid != os.getpid():
+            _INHERITED_SENDERS.append(inherited)  # forked child: the parent's, never closed here
+        super().__setstate__(state)
+        self._version_lock = threading.Lock()
+
+
+class _Sender:
+    """The trainer's side: a started Publisher, and what publish() re-reads by default."""
+
+    def __init__(self, source: Any, publisher: Publisher) -> None:
+        self.pid = os.getpid()
+        self.publisher = publisher.start()
+        # A model on another device is staged through a CPU copy: re-read it each time.
+        self._live = None if _all_on_cpu(source) else source
+
+    def publish(self, weights: Any, *, workers: list[str] | None, wait: bool) -> Publish:
+        if weights is None:
+            weights = self._live
+        return self.publisher.publish(weights, workers=workers, wait=wait)
+
+
+class _SafePoint:
+    """A collector's pre_collect_hook that first applies the newest version (manual mode)."""
+
+    def __init__(self, scheme: ZmqWeightSyncScheme, previous: Callable[[], None] | None) -> None:
+        self.scheme = scheme
+        self.previous = previous
+
+    def __call__(self) -> None:
+        if self.scheme.subscriber is not None:
+            self.scheme.receive()
+        if self.previous is not None:
+            self.previous()
+
+
+def _generated_name(model_id: str) -> str:
+    return f"torchrl-{re.sub(r'[^A-Za-z0-9_.-]', '_', model_id)[:24]}-{secrets.token_hex(4)}"
+
+
+def _find_model(context: Any, model_id: str) -> Any:
+    """The collector's model, as torchrl's own schemes find it."""
+    get_model: Callable[[str], Any] | None = getattr(context, "get_model", None)
+    try:
+        model = get_model(model_id) if get_model is not None else None
+    except ValueError:
+        model = None
+    if model is None:
+        model = _resolve_model(context, model_id) if model_id != "policy" else None
+    if model is None and model_id == "policy":
+        factories = [f for f in getattr(context, "policy_factory", None) or () if f is not None]
+        if any(f is not factories[0] for f in factories):
+            raise NotImplementedError(
+                "distinct policy factories give each worker its own weights; "
+                "ZmqWeightSyncScheme publishes one set of weights to every worker"
+            )
+        model = factories[0]() if factories else None
+    return model
+
+
+def _payload(weights: Any) -> Any:
+    """What Publisher.publish() takes: a module, a TensorDict or a state_dict."""
+    if isinstance(weights, nn.Module):
+        return weights
+    if isinstance(weights, TensorDictBase):
+        return weights.exclude(_EXTRA_STATE) if _EXTRA_STATE in weights.keys() else weights
+    if isinstance(weights, Mapping):
+        if weights and all(isinstance(k, int) for k in weights):
+            raise NotImplementedError(
+                "per-worker weights ({worker_idx: weights}) are not supported: "
+                "a bus carries one set of weights"
+            )
+        return weights
+    raise TypeError(
+        f"weights must be a module, a TensorDict or a state_dict, not {type(weights).__name__}"
+    )
+
+
+def _tensors(source: Any) -> Iterable[tuple[str, torch.Tensor]]:
+    if isinstance(source, nn.Module):
+        return [*source.named_parameters(), *source.named_buffers()]
+    if isinstance(source, TensorDictBase):
+        return [
+            (".".join(k) if isinstance(k, tuple) else k, v) for k, v in source.items(True, True)
+        ]
+    return list(source.items())
+
+
+def _all_on_cpu(source: Any) -> bool:
+    return all(t.device.type == "cpu" for _, t in _tensors(source))
+
+
+def _on_cpu(source: Any) -> Any:
+    """The source itself when it is on the CPU, else a CPU copy with the same keys."""
+    if _all_on_cpu(source):
+        return source
+    return {name: t.detach().to("cpu", copy=True) for name, t in _tensors(source)}
+
+
+def _materialize(model: Any, strategy: Any) -> None:
+    """Give meta-device parameters real (CPU) storage: torchrl ships workers a stateless
+    policy and expects the scheme to fill it, as SharedMemWeightSyncScheme does."""
+    if not isinstance(model, nn.Module):
+        return
+    weights = TensorDict.from_module(model).data
+    if not any(t.is_meta for t in weights.values(True, True)):
+        return
+    real = weights.apply(lambda t: torch.zeros_like(t, device="cpu") if t.is_meta else t)
+    strategy.apply_weights(model, real, inplace=False)
