@@ -22,6 +22,7 @@ from ._errors import (
 )
 from ._publisher import Publish, Publisher
 from ._registry import WorkerInfo
+from ._security import CurveClient, CurveServer, curve_keypair
 from ._subscriber import Reading, Subscriber
 
 __version__ = "0.1.0"
@@ -30,6 +31,9 @@ __all__ = [
     "BufferUnavailable",
     "ClosedError",
     "ConnectTimeout",
+    "curve_keypair",
+    "CurveClient",
+    "CurveServer",
     "LayoutMismatch",
     "ProtocolError",
     "Publish",

@@ -19,6 +19,7 @@ __all__ = [
     "LOST_AFTER_BEATS",
     "MAX_MESSAGE_BYTES",
     "check_name",
+    "resolve_group",
     "default_address",
     "runtime_dir",
     "shm_dir",
@@ -82,6 +83,18 @@ def default_address(name: str) -> str:
             "ZMQSYNC_RUNTIME_DIR to a shorter directory or use a shorter name"
         )
     return f"ipc://{path}"
+
+
+def resolve_group(group: str | int | None) -> int | None:
+    """A gid from a group name or number (None: files stay private to the user)."""
+    if group is None or isinstance(group, int):
+        return group
+    import grp
+
+    try:
+        return grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise ValueError(f"no group named {group!r} on this host") from None
 
 
 def shm_dir(explicit: str | None = None) -> str:

@@ -52,7 +52,8 @@ from ._protocol import (
     encode,
 )
 from ._registry import Registry, WorkerInfo
-from ._sockets import bind, connect, sibling_endpoint
+from ._security import Authenticator, CurveServer, require_security
+from ._sockets import bind, connect, protect_ipc, sibling_endpoint
 
 __all__ = ["DEFAULT", "Publish", "Publisher"]
 
@@ -145,6 +146,13 @@ class Publisher:
         shm_dir: tmpfs directory for segments (default $ZMQSYNC_SHM_DIR or /dev/shm).
         tap: open the tap socket that mirrors every message for `zmqsync sniff`;
             None: on when the environment variable ZMQSYNC_TAP is "1".
+        curve: CURVE keys and client allowlist; required for a tcp:// address that is
+            not loopback (see docs/security.md).
+        insecure: allow a non-loopback tcp:// address without CURVE (explicit opt-in).
+        group: a group name or gid that may use the bus (socket files and segments
+            become 0660 with that group), for containers running as different uids.
+        max_workers: more HELLOs from new worker ids are refused ("bus full").
+        handshake_rate: HELLOs per second accepted (a HELLO storm is refused, counted).
     """
 
     def __init__(
@@ -159,6 +167,11 @@ class Publisher:
         heartbeat: float = 0.5,
         shm_dir: str | None = None,
         tap: bool | None = None,
+        curve: CurveServer | None = None,
+        insecure: bool = False,
+        group: str | int | None = None,
+        max_workers: int = 1024,
+        handshake_rate: float = 200.0,
     ) -> None:
         self.name = _config.check_name(name)
         if not 1 <= slots <= 64:
@@ -184,6 +197,13 @@ class Publisher:
         self._heartbeat = heartbeat
         self._shm_dir = _config.shm_dir(shm_dir)
         self._tap = tap if tap is not None else os.environ.get("ZMQSYNC_TAP") == "1"
+        self._curve = curve
+        self._insecure = insecure
+        self._gid = _config.resolve_group(group)
+        if max_workers < 1 or handshake_rate <= 0:
+            raise ValueError("max_workers must be >= 1 and handshake_rate > 0")
+        self._max_workers = max_workers
+        self._handshake_rate = handshake_rate
         self.bus = secrets.token_hex(8)
         self.address = ""
         self._registry = Registry(slots)
@@ -215,13 +235,18 @@ class Publisher:
             return self
         with contextlib.ExitStack() as stack:
             self.address = self._address_arg or _config.default_address(self.name)
+            require_security(self.address, self._curve, self._insecure)
             _refuse_if_served(self.address)
             os.makedirs(self._shm_dir, exist_ok=True)
             collect_garbage(self._shm_dir)
             seg_name = segment_name(self.name, self.bus)
             self._segment = stack.enter_context(
                 CpuSegment(
-                    self._shm_dir, seg_name, slots=self._slots, slot_bytes=self._layout.slot_bytes
+                    self._shm_dir,
+                    seg_name,
+                    slots=self._slots,
+                    slot_bytes=self._layout.slot_bytes,
+                    gid=self._gid,
                 )
             )
             segment = self._segment
@@ -453,6 +478,9 @@ class _Agent:
         self._pipe_in.bind(self._pipe_addr)
         self._failure: BaseException | None = None
         self.tap: zmq.Socket[bytes] | None = None
+        self._auth: Authenticator | None = None
+        self._tokens = float(pub._handshake_rate)
+        self._tokens_at = time.monotonic()
 
     def start(self) -> None:
         self._thread.start()
@@ -474,6 +502,8 @@ class _Agent:
                 log.warning("publisher agent thread did not stop within its deadline")
         with self.pub._pipe_lock:
             self._pipe_in.close()
+        if self._auth is not None:
+            self._auth.stop()
         self.ctx.destroy(linger=0)
 
     # --- the loop (agent thread) ---
@@ -504,28 +534,36 @@ class _Agent:
                         os.unlink(endpoint[len("ipc://") :])
 
     def _bind(self) -> None:
-        address = self.pub.address
+        address, pub = self.pub.address, self.pub
+        secure = pub._curve.apply if pub._curve is not None else None
+        if pub._curve is not None:
+            self._auth = Authenticator(self.ctx, pub._curve)
         self.pipe = self.ctx.socket(zmq.PAIR)
         self.pipe.linger = 0
         self.pipe.connect(self._pipe_addr)
-        self.control = bind(self.ctx, zmq.REP, address)
-        self.events = self.ctx.socket(zmq.XPUB)
-        self.events.linger = 0
-        self.events.setsockopt(zmq.XPUB_WELCOME_MSG, XPUB_WELCOME)
-        self.events.setsockopt(zmq.SNDHWM, 100_000)
-        self.events.bind(sibling_endpoint(address, "events"))
-        self.acks = bind(self.ctx, zmq.PULL, sibling_endpoint(address, "acks"))
-        if self.pub._tap:
+        self.control = bind(self.ctx, zmq.REP, address, secure)
+
+        def events_options(sock: zmq.Socket[bytes]) -> None:
+            sock.setsockopt(zmq.XPUB_WELCOME_MSG, XPUB_WELCOME)
+            sock.setsockopt(zmq.SNDHWM, 100_000)
+            if secure is not None:
+                secure(sock)
+
+        def tap_options(sock: zmq.Socket[bytes]) -> None:
             # Small HWM and NODROP: a slow or stopped sniffer makes send() fail at once
             # (counted as tap_dropped); the bus itself never waits for a sniffer.
-            self.tap = self.ctx.socket(zmq.XPUB)
-            self.tap.linger = 0
-            self.tap.setsockopt(zmq.SNDHWM, 1000)
-            self.tap.setsockopt(zmq.XPUB_NODROP, 1)
-            self.tap.bind(sibling_endpoint(address, "tap"))
-        for sock in (self.events, self.acks, self.tap):
-            if sock is not None and address.startswith("ipc://"):
-                os.chmod(sock.getsockopt_string(zmq.LAST_ENDPOINT)[len("ipc://") :], 0o600)
+            sock.setsockopt(zmq.SNDHWM, 1000)
+            sock.setsockopt(zmq.XPUB_NODROP, 1)
+            if secure is not None:
+                secure(sock)
+
+        self.events = bind(self.ctx, zmq.XPUB, sibling_endpoint(address, "events"), events_options)
+        self.acks = bind(self.ctx, zmq.PULL, sibling_endpoint(address, "acks"), secure)
+        if pub._tap:
+            self.tap = bind(self.ctx, zmq.XPUB, sibling_endpoint(address, "tap"), tap_options)
+        for sock in (self.control, self.events, self.acks, self.tap):
+            if sock is not None:
+                protect_ipc(sock, pub._gid)
 
     def _loop(self) -> None:
         poller = zmq.Poller()
@@ -621,6 +659,7 @@ class _Agent:
             raise ProtocolError("the publisher is closing")
         if hello.transport != "cpu":
             raise ProtocolError(f"transport {hello.transport} is not offered by this bus")
+        self._admit(hello)
         with pub._cond:
             session = secrets.token_hex(8)
             replaced = hello.worker_id in pub._registry.members
@@ -656,6 +695,21 @@ class _Agent:
 
     def _tap_endpoint(self) -> str:
         return "" if self.tap is None else self.tap.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def _admit(self, hello: Hello) -> None:
+        """Refuse a HELLO when the bus is full or handshakes come too fast (a storm)."""
+        pub, now = self.pub, time.monotonic()
+        rate = pub._handshake_rate
+        self._tokens = min(2 * rate, self._tokens + (now - self._tokens_at) * rate)
+        self._tokens_at = now
+        if self._tokens < 1:
+            self._count("throttled")
+            raise ProtocolError("busy: too many handshakes, retry later")
+        self._tokens -= 1
+        with pub._lock:
+            known = hello.worker_id in pub._registry.members
+            if not known and len(pub._registry.members) >= pub._max_workers:
+                raise ProtocolError(f"bus full: {pub._max_workers} workers (max_workers)")
 
     def _state(self) -> State:
         pub = self.pub

@@ -25,7 +25,8 @@ import zmq
 from ._deadline import Deadline
 from ._errors import ProtocolError
 from ._protocol import Ack, Bye, Hello, Receive, State, Stop, Tap, Welcome, decode, encode, to_plain
-from ._sockets import connect
+from ._security import client_from_env
+from ._sockets import connect, resolve_endpoint
 
 __all__ = ["Record", "Sniffer", "Summary", "read_recording", "to_json", "to_line"]
 
@@ -64,11 +65,13 @@ def record_from_tap(frame: bytes) -> Record:
 class Sniffer:
     """Subscribes to a publisher's tap (or, failing that, its events socket)."""
 
-    def __init__(self, state: State) -> None:
+    def __init__(self, state: State, address: str) -> None:
         self.state = state
         self.fallback = not state.tap
+        endpoint = resolve_endpoint(address, state.events if self.fallback else state.tap)
+        curve = client_from_env()
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        self._sock = connect(self._ctx, zmq.SUB, state.events if self.fallback else state.tap)
+        self._sock = connect(self._ctx, zmq.SUB, endpoint, curve.apply if curve else None)
         self._sock.setsockopt(zmq.SUBSCRIBE, b"")
         self._sock.setsockopt(zmq.RCVHWM, 100_000)
 

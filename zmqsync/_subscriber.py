@@ -43,7 +43,8 @@ from ._errors import ClosedError, ConnectTimeout, ProtocolError, ZmqSyncError
 from ._layout import Key, Layout
 from ._protocol import Ack, Bye, Error, Heartbeat, Hello, Receive, Stop, Welcome, decode, encode
 from ._publisher import DEFAULT, XPUB_WELCOME
-from ._sockets import connect, request
+from ._security import CurveClient, client_from_env
+from ._sockets import connect, request, resolve_endpoint
 
 __all__ = ["Reading", "Subscriber"]
 
@@ -91,6 +92,8 @@ class Subscriber:
         timeout: handshake deadline (s); also the default for waits.
         on_update: callable(version) run after each apply, before the ack.
         shm_dir: where the publisher's segments are (default $ZMQSYNC_SHM_DIR or /dev/shm).
+        curve: this worker's CURVE keys and the publisher's public key, for a publisher
+            that requires CURVE (see docs/security.md).
     """
 
     def __init__(
@@ -106,6 +109,7 @@ class Subscriber:
         timeout: float | None = 10.0,
         on_update: Callable[[int], None] | None = None,
         shm_dir: str | None = None,
+        curve: CurveClient | None = None,
     ) -> None:
         if mode not in ("copy", "alias"):
             raise ValueError(f'mode must be "copy" or "alias", not {mode!r}')
@@ -122,6 +126,8 @@ class Subscriber:
         self._timeout = timeout
         self._on_update = on_update
         self._shm_dir = _config.shm_dir(shm_dir)
+        curve = curve if curve is not None else client_from_env()
+        self._secure = curve.apply if curve is not None else None
         self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)
         self._apply_lock = threading.Lock()
@@ -448,16 +454,33 @@ class _Agent:
     def _handshake(self, deadline: Deadline, attempts: int) -> None:
         sub = self.sub
         hello = Hello("", sub.worker_id, os.getpid(), socket.gethostname(), sub.mode, "cpu")
-        reply = request(self.ctx, sub.address, hello, deadline=deadline, attempts=attempts)
+        while True:
+            reply = request(
+                self.ctx,
+                sub.address,
+                hello,
+                deadline=deadline,
+                attempts=attempts,
+                secure=sub._secure,
+            )
+            if not (isinstance(reply, Error) and reply.reason.startswith("busy:")):
+                break
+            if deadline.expired():  # throttled during a HELLO storm: retry until the deadline
+                break
+            time.sleep(min(0.05, deadline.wait_s(0.05) or 0.0))
         if isinstance(reply, Error):
             raise ProtocolError(f"the publisher at {sub.address} refused us: {reply.reason}")
         if not isinstance(reply, Welcome):
             raise ProtocolError(f"expected WELCOME, got {reply.TYPE}")
-        self._subscribe(reply.events, deadline)
-        sub._adopt(reply)
+        events, acks = (
+            resolve_endpoint(sub.address, reply.events),
+            resolve_endpoint(sub.address, reply.acks),
+        )
+        sub._adopt(reply)  # map and check the buffers first: a hostile WELCOME stops here
+        self._subscribe(events, deadline)
         if self.acks is not None:
             self.acks.close()
-        self.acks = connect(self.ctx, zmq.PUSH, reply.acks)
+        self.acks = connect(self.ctx, zmq.PUSH, acks, self.sub._secure)
         self.acks.setsockopt(zmq.SNDHWM, 10_000)
         self.session, self.last_seq, self.heartbeat = reply.session, reply.seq, reply.heartbeat
         self.last_heard = time.monotonic()
@@ -482,7 +505,7 @@ class _Agent:
         """Connect SUB and wait until the publisher confirms the subscription is live."""
         if self.events is not None:
             self.events.close()
-        self.events = connect(self.ctx, zmq.SUB, endpoint)
+        self.events = connect(self.ctx, zmq.SUB, endpoint, self.sub._secure)
         self.events.setsockopt(zmq.SUBSCRIBE, b"")
         self.events.setsockopt(zmq.RCVHWM, 100_000)
         while self.events.poll(deadline.poll_ms(cap_s=self.sub._timeout)) & zmq.POLLIN:

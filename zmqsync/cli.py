@@ -69,11 +69,14 @@ def _inspect(address: str, timeout: float) -> Any:
     from ._deadline import Deadline
     from ._errors import ProtocolError
     from ._protocol import Inspect, State
+    from ._security import client_from_env
     from ._sockets import request
 
     ctx = zmq.Context()
     try:
-        reply = request(ctx, address, Inspect(""), deadline=Deadline(timeout))
+        curve = client_from_env()
+        secure = curve.apply if curve is not None else None
+        reply = request(ctx, address, Inspect(""), deadline=Deadline(timeout), secure=secure)
     finally:
         ctx.destroy(linger=0)
     if not isinstance(reply, State):
@@ -154,7 +157,7 @@ def cmd_sniff(args: argparse.Namespace) -> int:
             summary = Summary(set())
         else:
             state = _inspect(_address(args), args.timeout)
-            sniffer = stack.enter_context(Sniffer(state))
+            sniffer = stack.enter_context(Sniffer(state, _address(args)))
             if sniffer.fallback:
                 err.print(
                     "zmqsync sniff: this bus has no tap (start the publisher with tap=True "

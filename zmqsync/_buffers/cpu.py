@@ -89,7 +89,9 @@ class CpuSegment(SharedBuffer):
 
     kind: ClassVar[str] = "cpu"
 
-    def __init__(self, directory: str, name: str, *, slots: int, slot_bytes: int) -> None:
+    def __init__(
+        self, directory: str, name: str, *, slots: int, slot_bytes: int, gid: int | None = None
+    ) -> None:
         self.path = os.path.join(directory, name)
         self.name = name
         self.size = HEADER_BYTES + slots * slot_bytes
@@ -98,6 +100,9 @@ class CpuSegment(SharedBuffer):
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_SH)
+            if gid is not None:  # containers running as other uids of this group
+                os.fchown(fd, -1, gid)
+                os.fchmod(fd, 0o640)
             with map_os_errors(self.path, self.size):
                 os.posix_fallocate(fd, 0, self.size)
             os.rename(tmp, self.path)
@@ -160,6 +165,8 @@ class CpuAttachment(AttachedBuffer):
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise ProtocolError(f"segment {path} is a symlink; refusing to follow it") from exc
             raise BufferUnavailable(
                 f"cannot open segment {info.segment} in {directory}: {exc.strerror}; "
                 "publisher and subscriber must use the same shm dir (shm_dir= or "

@@ -1,0 +1,146 @@
+"""Who may connect: loopback and ipc:// by default, CURVE for anything else.
+
+On one host the runtime dir's permissions (0700) decide who can reach an ipc:// socket,
+and a loopback tcp:// address is reachable only from this host's network namespace. A
+tcp:// address on any other interface is reachable by the network, so it requires CURVE
+(encryption plus an allowlist of client public keys, checked through ZAP) unless the
+caller passes ``insecure=True`` explicitly. An unauthorized client gets no handshake, no
+events, and its messages never reach the publisher's code.
+
+Keys are Z85 text (40 characters), as made by `curve_keypair()`.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import zmq
+
+__all__ = [
+    "CurveClient",
+    "CurveServer",
+    "Authenticator",
+    "curve_keypair",
+    "is_loopback",
+    "require_security",
+]
+
+ZAP_DOMAIN = "zmqsync"
+
+
+def curve_keypair() -> tuple[str, str]:
+    """A new (public, secret) CURVE key pair, Z85 text."""
+    public, secret = zmq.curve_keypair()
+    return public.decode(), secret.decode()
+
+
+def _key(value: str | bytes) -> bytes:
+    raw = value.encode() if isinstance(value, str) else value
+    if len(raw) != 40:
+        raise ValueError("CURVE keys are 40 characters of Z85 text (see zmqsync.curve_keypair())")
+    return raw
+
+
+@dataclass(frozen=True)
+class CurveServer:
+    """A publisher's key pair and the client public keys it lets in."""
+
+    public: str
+    secret: str
+    allowed_clients: frozenset[str] = field(default_factory=frozenset)
+
+    def __init__(self, public: str, secret: str, allowed_clients: Iterable[str] = ()) -> None:
+        object.__setattr__(self, "public", _key(public).decode())
+        object.__setattr__(self, "secret", _key(secret).decode())
+        object.__setattr__(
+            self, "allowed_clients", frozenset(_key(k).decode() for k in allowed_clients)
+        )
+
+    def __repr__(self) -> str:  # never print a secret
+        return f"CurveServer(public={self.public!r}, {len(self.allowed_clients)} clients)"
+
+    def apply(self, sock: zmq.Socket[bytes]) -> None:
+        sock.zap_domain = ZAP_DOMAIN.encode()
+        sock.curve_secretkey = _key(self.secret)
+        sock.curve_publickey = _key(self.public)
+        sock.curve_server = True
+
+
+@dataclass(frozen=True)
+class CurveClient:
+    """A subscriber's (or inspector's) key pair and the publisher's public key."""
+
+    server_public: str
+    public: str
+    secret: str
+
+    def __repr__(self) -> str:
+        return f"CurveClient(server_public={self.server_public!r}, public={self.public!r})"
+
+    def apply(self, sock: zmq.Socket[bytes]) -> None:
+        sock.curve_serverkey = _key(self.server_public)
+        sock.curve_publickey = _key(self.public)
+        sock.curve_secretkey = _key(self.secret)
+
+
+def client_from_env() -> CurveClient | None:
+    """Keys from the JSON file named by $ZMQSYNC_CURVE_CLIENT (for the CLI and containers).
+
+    The file holds {"server_public": ..., "public": ..., "secret": ...}; keep it 0600.
+    """
+    path = os.environ.get("ZMQSYNC_CURVE_CLIENT")
+    if not path:
+        return None
+    with open(path) as f:
+        keys = json.load(f)
+    return CurveClient(keys["server_public"], keys["public"], keys["secret"])
+
+
+def is_loopback(address: str) -> bool:
+    """ipc://, inproc:// and tcp:// on 127.0.0.0/8, ::1 or localhost."""
+    if not address.startswith("tcp://"):
+        return True
+    host = address[len("tcp://") :].rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # "*", an interface name, a host name: reachable from outside
+
+
+def require_security(address: str, curve: CurveServer | None, insecure: bool) -> None:
+    if curve is None and not insecure and not is_loopback(address):
+        raise ValueError(
+            f"{address} is reachable from other hosts: pass curve=zmqsync.CurveServer(...) "
+            "(see docs/security.md), use a loopback or ipc:// address, or pass insecure=True "
+            "to accept unauthenticated clients knowingly"
+        )
+
+
+class _Allowlist:
+    def __init__(self, keys: frozenset[str]) -> None:
+        self.keys = {k.encode() for k in keys}
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return key in self.keys
+
+
+class Authenticator:
+    """pyzmq's ZAP thread, answering with the publisher's allowlist."""
+
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], curve: CurveServer) -> None:
+        from zmq.auth.thread import ThreadAuthenticator
+
+        self._auth = ThreadAuthenticator(ctx)
+        self._auth.start()
+        self._auth.configure_curve_callback(
+            ZAP_DOMAIN, credentials_provider=_Allowlist(curve.allowed_clients)
+        )
+
+    def stop(self) -> None:
+        self._auth.stop()
