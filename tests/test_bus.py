@@ -15,8 +15,18 @@ from zmqsync._layout import flatten
 
 
 def _worker(spawn, name, mode="copy", *extra):
-    return spawn("worker", "--name", name, "--mode", mode, "--verify", "--json",
-                 "--worker-id", f"w-{mode}-{len(extra)}-{time.monotonic_ns()}", *extra)
+    return spawn(
+        "worker",
+        "--name",
+        name,
+        "--mode",
+        mode,
+        "--verify",
+        "--json",
+        "--worker-id",
+        f"w-{mode}-{len(extra)}-{time.monotonic_ns()}",
+        *extra,
+    )
 
 
 @pytest.mark.parametrize("mode", ["copy", "alias"])
@@ -96,7 +106,9 @@ def test_alias_readers_never_see_a_torn_version(spawn, name, slots):
         "c": torch.zeros(333, dtype=torch.int64),
     }
     with zmqsync.Publisher(template, name=name, slots=slots, timeout=30) as pub:
-        readers = [spawn("tests/helpers/torn_worker.py", name, "alias", module="") for _ in range(2)]
+        readers = [
+            spawn("tests/helpers/torn_worker.py", name, "alias", module="") for _ in range(2)
+        ]
         for r in readers:
             r.wait_for(lambda rec: rec["event"] == "ready", timeout=60)
         assert pub.wait_for_workers(2, timeout=30)
@@ -116,8 +128,7 @@ def test_alias_readers_never_see_a_torn_version(spawn, name, slots):
 
 def test_layout_mismatch_names_the_difference_and_bus_keeps_working(name):
     weights = {"a": torch.zeros(4), "b": torch.zeros(2, 3)}
-    with zmqsync.Publisher(weights, name=name) as pub, \
-            zmqsync.Subscriber(name=name) as sub:
+    with zmqsync.Publisher(weights, name=name) as pub, zmqsync.Subscriber(name=name) as sub:
         with pytest.raises(zmqsync.LayoutMismatch, match="missing key 'b'"):
             pub.publish(weights={"a": torch.zeros(4)})
         with pytest.raises(zmqsync.LayoutMismatch, match=r"b: got float32\[3, 2\]"):
@@ -141,8 +152,10 @@ def test_subscriber_model_must_match_the_bus(name):
 def test_publish_wait_false_targets_and_on_update(name):
     seen = []
     with zmqsync.Publisher({"x": torch.zeros(3)}, name=name) as pub:
-        with zmqsync.Subscriber(name=name, worker_id="a", on_update=seen.append) as a, \
-                zmqsync.Subscriber(name=name, worker_id="b", apply="manual") as b:
+        with (
+            zmqsync.Subscriber(name=name, worker_id="a", on_update=seen.append) as a,
+            zmqsync.Subscriber(name=name, worker_id="b", apply="manual") as b,
+        ):
             p = pub.publish(weights={"x": torch.ones(3)}, wait=False, workers=["a"])
             assert p.targets == ("a",)
             assert p.wait(timeout=10) is p and p.done() and p.acked == ("a",)
@@ -157,8 +170,10 @@ def test_alias_mode_model_shares_the_buffer_and_is_read_only(name):
     model = torch.nn.Linear(4, 2)
     worker = torch.nn.Linear(4, 2)
     param = worker.weight
-    with zmqsync.Publisher(model, name=name) as pub, \
-            zmqsync.Subscriber(name=name, model=worker, mode="alias") as sub:
+    with (
+        zmqsync.Publisher(model, name=name) as pub,
+        zmqsync.Subscriber(name=name, model=worker, mode="alias") as sub,
+    ):
         with torch.no_grad():
             model.weight.fill_(3.0)
         pub.publish()
@@ -169,8 +184,10 @@ def test_alias_mode_model_shares_the_buffer_and_is_read_only(name):
 
 
 def test_publish_timeout_names_missing_workers(name):
-    with zmqsync.Publisher({"x": torch.zeros(3)}, name=name, timeout=0.5) as pub, \
-            zmqsync.Subscriber(name=name, worker_id="slow", apply="manual"):
+    with (
+        zmqsync.Publisher({"x": torch.zeros(3)}, name=name, timeout=0.5) as pub,
+        zmqsync.Subscriber(name=name, worker_id="slow", apply="manual"),
+    ):
         with pytest.raises(zmqsync.PublishTimeout) as info:
             pub.publish()
         assert info.value.missing == ("slow",) and info.value.version == 1
@@ -218,7 +235,9 @@ def test_tcp_loopback_address(name):
     with zmqsync.Publisher({"x": torch.zeros(3)}, "tcp://127.0.0.1:0", name=name) as pub:
         pass
     addr = "tcp://127.0.0.1:47123"
-    with zmqsync.Publisher({"x": torch.zeros(3)}, addr, name=name) as pub, \
-            zmqsync.Subscriber(addr, name=name) as sub:
+    with (
+        zmqsync.Publisher({"x": torch.zeros(3)}, addr, name=name) as pub,
+        zmqsync.Subscriber(addr, name=name) as sub,
+    ):
         pub.publish(weights={"x": torch.ones(3)})
         assert sub.version == 1 and torch.equal(sub.weights["x"], torch.ones(3))

@@ -63,8 +63,9 @@ def test_sigkill_worker_at_any_moment_publishes_return_within_deadline(spawn, na
 
 
 def test_straggler_is_evicted_then_catches_up_after_sigcont(spawn, name):
-    with zmqsync.Publisher({"w": torch.zeros(16)}, name=name, heartbeat=0.5, timeout=1.0,
-                           on_timeout="evict") as pub:
+    with zmqsync.Publisher(
+        {"w": torch.zeros(16)}, name=name, heartbeat=0.5, timeout=1.0, on_timeout="evict"
+    ) as pub:
         ok, slow = _worker(spawn, name, "ok"), _worker(spawn, name, "slow")
         assert pub.wait_for_workers(2, timeout=60)
         _applied(ok, 0), _applied(slow, 0)
@@ -104,8 +105,17 @@ def test_straggler_with_raise_names_it_and_the_bus_goes_on(spawn, name):
 
 def test_publisher_sigkill_then_restart(spawn, name):
     """Subscribers keep their last whole version, notice, and re-join a new publisher."""
-    trainer = spawn("tools/trainer.py", name, "--updates", "0", "--heartbeat", str(HB),
-                    "--size-mb", "8", module="")
+    trainer = spawn(
+        "tools/trainer.py",
+        name,
+        "--updates",
+        "0",
+        "--heartbeat",
+        str(HB),
+        "--size-mb",
+        "8",
+        module="",
+    )
     trainer.wait_for(lambda r: r.get("event") == "started", timeout=60)
     worker = _worker(spawn, name, "survivor", "--forever")
     _applied(worker, 1)
@@ -124,8 +134,19 @@ def test_publisher_sigkill_then_restart(spawn, name):
         time.sleep(HB * 3)
         assert sub.version == frozen and not sub.connected
         # A new publisher at the same address: new bus, new buffers; no user code needed.
-        restarted = spawn("tools/trainer.py", name, "--updates", "0", "--heartbeat", str(HB),
-                          "--size-mb", "8", "--interval", "0.05", module="")
+        restarted = spawn(
+            "tools/trainer.py",
+            name,
+            "--updates",
+            "0",
+            "--heartbeat",
+            str(HB),
+            "--size-mb",
+            "8",
+            "--interval",
+            "0.05",
+            module="",
+        )
         bus = restarted.wait_for(lambda r: r.get("event") == "started", timeout=60)["bus"]
         deadline = time.monotonic() + 20
         while not (sub.connected and sub._bus == bus) and time.monotonic() < deadline:
@@ -142,8 +163,9 @@ def test_publisher_sigkill_then_restart(spawn, name):
     worker.kill()
     assert all(r.get("ok", True) for r in worker.records if r.get("event") == "applied")
     # The killed publisher's segment: collected now that nobody maps it.
-    out = subprocess.run([sys.executable, "-m", "zmqsync", "gc"], capture_output=True, text=True,
-                         timeout=30)
+    out = subprocess.run(
+        [sys.executable, "-m", "zmqsync", "gc"], capture_output=True, text=True, timeout=30
+    )
     assert out.returncode == 0
 
 
@@ -152,8 +174,10 @@ def test_stale_acks_and_heartbeats_are_ignored(name):
 
     from zmqsync._protocol import Ack, Heartbeat, encode
 
-    with zmqsync.Publisher({"w": torch.zeros(4)}, name=name, heartbeat=HB) as pub, \
-            zmqsync.Subscriber(name=name, worker_id="real") as sub:
+    with (
+        zmqsync.Publisher({"w": torch.zeros(4)}, name=name, heartbeat=HB) as pub,
+        zmqsync.Subscriber(name=name, worker_id="real") as sub,
+    ):
         ctx = zmq.Context()
         push = ctx.socket(zmq.PUSH)
         push.linger = 0

@@ -32,8 +32,10 @@ def test_sniffer_sees_every_receive_ack_and_stop(spawn, name):
     sniffer = _sniffer(spawn, name, "--duration", "60")
     # The sniffer subscribes before the workers join: it sees their HELLOs too.
     sniffer.wait_for(lambda r: r.get("type") == "heartbeat", timeout=30)
-    workers = [spawn("worker", "--name", name, "--verify", "--json", "--worker-id", f"sw{i}")
-               for i in range(2)]
+    workers = [
+        spawn("worker", "--name", name, "--verify", "--json", "--worker-id", f"sw{i}")
+        for i in range(2)
+    ]
     trainer.wait_for(lambda r: r.get("event") == "done", timeout=90)
     assert trainer.finish() == 0
     for w in workers:
@@ -85,8 +87,12 @@ def test_stopped_sniffer_does_not_delay_the_bus(spawn, name):
 
 
 def _inspect_json(name):
-    out = subprocess.run([sys.executable, "-m", "zmqsync", "inspect", "--name", name, "--json"],
-                         capture_output=True, text=True, timeout=30)
+    out = subprocess.run(
+        [sys.executable, "-m", "zmqsync", "inspect", "--name", name, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
 
@@ -105,7 +111,9 @@ def test_record_then_replay_gives_the_same_lines(spawn, name, tmp_path):
     live = [json.dumps(r) for r in sniffer.records]
     replay = subprocess.run(
         [sys.executable, "-m", "zmqsync", "sniff", "--replay", str(recording), "--json"],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert replay.returncode == 0, replay.stderr
     replayed = replay.stdout.splitlines()
@@ -125,8 +133,10 @@ def test_without_tap_sniff_falls_back_to_events(name, capsys):
 
 def test_inspect_json_matches_the_bus(name, capsys):
     model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2))
-    with zmqsync.Publisher(model, name=name, tap=True) as pub, \
-            zmqsync.Subscriber(name=name, worker_id="insp-a", mode="alias"):
+    with (
+        zmqsync.Publisher(model, name=name, tap=True) as pub,
+        zmqsync.Subscriber(name=name, worker_id="insp-a", mode="alias"),
+    ):
         pub.publish()
         pub.publish()
         assert main(["inspect", "--name", name, "--json"]) == 0
@@ -135,8 +145,15 @@ def test_inspect_json_matches_the_bus(name, capsys):
         assert [w["worker_id"] for w in state["workers"]] == ["insp-a"]
         assert state["workers"][0]["version"] == 2 and state["workers"][0]["mode"] == "alias"
         names = {".".join(t["key"]) for t in state["manifest"]}
-        assert names == {"0.weight", "0.bias", "1.weight", "1.bias", "1.running_mean",
-                         "1.running_var", "1.num_batches_tracked"}
+        assert names == {
+            "0.weight",
+            "0.bias",
+            "1.weight",
+            "1.bias",
+            "1.running_mean",
+            "1.running_var",
+            "1.num_batches_tracked",
+        }
         assert state["counters"]["publishes"] == 2 and state["counters"]["acks"] >= 3
         assert sorted(state["slot_versions"]) == [1, 2] and state["tap"]
         assert main(["inspect", "--name", name]) == 0

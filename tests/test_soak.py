@@ -13,9 +13,21 @@ import pytest
 def test_short_soak(tmp_path):
     out = tmp_path / "soak.json"
     run = subprocess.run(
-        [sys.executable, "tools/soak.py", "--duration", "45", "--workers", "3", "--seed", "7",
-         "--json", str(out)],
-        capture_output=True, text=True, timeout=280,
+        [
+            sys.executable,
+            "tools/soak.py",
+            "--duration",
+            "45",
+            "--workers",
+            "3",
+            "--seed",
+            "7",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=280,
     )
     assert out.exists(), run.stdout[-3000:] + run.stderr[-3000:]
     result = json.loads(out.read_text())
