@@ -282,7 +282,9 @@ def test_attach_refuses_a_header_for_other_slots_or_no_header(shm, seg_name):
 @pytest.mark.parametrize("segment", ["../etc/passwd", "a/b", ".", "..", "/dev/shm/x"])
 def test_attach_refuses_segment_names_that_are_not_plain(shm, segment):
     with pytest.raises(zmqsync.ProtocolError, match="not a plain file name"):
-        CpuAttachment.attach(_info(segment, HEADER_BYTES + PAGE), slots=1, slot_bytes=PAGE, shm_dir=shm)
+        CpuAttachment.attach(
+            _info(segment, HEADER_BYTES + PAGE), slots=1, slot_bytes=PAGE, shm_dir=shm
+        )
 
 
 # --- the header seqlock across two mappings ---------------------------------------------
