@@ -112,11 +112,6 @@ def test_a_bad_bus_name_is_a_one_line_error(capsys):
     assert line.startswith("zmqsync inspect: ValueError: bus name '../etc' is not allowed")
 
 
-@pytest.mark.xfail(
-    reason="BUG: cli.main catches ZmqSyncError/TimeoutError/ValueError only, so the "
-    "PermissionError runtime_dir() raises for an unsafe runtime dir escapes as a traceback",
-    strict=True,
-)
 def test_an_unsafe_runtime_dir_is_a_one_line_error(monkeypatch, tmp_path, capsys):
     unsafe = tmp_path / "shared"
     unsafe.mkdir()

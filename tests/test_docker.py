@@ -232,6 +232,8 @@ def docker() -> Iterator[Docker]:
         str(DOCKER_DIR),
         timeout=600,
     )
+    # earlier builds of the tag, now untagged and unused (a running one is kept)
+    d("image", "prune", "-f", "--filter", "label=org.opencontainers.image.title=zmqsync")
     build_s = time.monotonic() - started - engine_s - base_s - wheels_s
     print(
         f"docker setup: engine {engine_s:.1f} s, base image {base_s:.1f} s, "
@@ -381,6 +383,14 @@ def test_compose_three_workers_kill_and_restart(docker: Docker) -> None:
             )
 
         wait_until(lambda: all_at(3), 120, "every worker to apply version 3")
+        wait_until(
+            lambda: any(
+                r.get("type") == "ack" and r.get("worker_id") == "worker-3"
+                for r in project.records("sniffer")
+            ),
+            120,
+            "the sniffer to see worker-3's acks",
+        )
         shm = docker("exec", project.container("worker-1"), "ls", "/dev/shm").split()
         assert segment in shm, shm
         assert segment not in os.listdir("/dev/shm")  # not the host's /dev/shm

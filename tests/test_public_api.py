@@ -88,10 +88,6 @@ def test_error_data_lives_on_the_exception():
         raise zmqsync.ConnectTimeout("no publisher")
 
 
-@pytest.mark.xfail(
-    reason="BUG: the error tree at the top of zmqsync/_errors.py omits BufferUnavailable",
-    strict=True,
-)
 def test_error_tree_in_the_errors_docstring_names_every_error():
     doc = _errors.__doc__ or ""
     missing = [name for name in sorted(ERRORS) if not re.search(rf"\b{name}\b", doc)]
@@ -131,12 +127,6 @@ def test_publish_handle_repr(name):
 # --- lifecycle: leaks warn and clean up -------------------------------------------------
 
 
-@pytest.mark.xfail(
-    reason="BUG: the publisher's agent thread holds a strong reference to the Publisher "
-    "(_Agent.pub, thread target self._run), so an unclosed Publisher is never collected: "
-    "__del__ never warns and the segment and thread leak until the process exits",
-    strict=True,
-)
 def test_unclosed_publisher_warns_and_still_removes_its_segment(name, bus_dirs):
     _, shm = bus_dirs
     pub = zmqsync.Publisher({"w": torch.zeros(3)}, name=name).start()
@@ -153,11 +143,6 @@ def test_unclosed_publisher_warns_and_still_removes_its_segment(name, bus_dirs):
             leaked.close()
 
 
-@pytest.mark.xfail(
-    reason="BUG: the subscriber's agent thread holds a strong reference to the Subscriber, "
-    "so an unclosed Subscriber is never collected and __del__ never warns",
-    strict=True,
-)
 def test_unclosed_subscriber_warns(name):
     with zmqsync.Publisher({"w": torch.zeros(3)}, name=name) as pub:
         sub = zmqsync.Subscriber(name=name).start()

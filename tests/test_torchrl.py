@@ -23,7 +23,9 @@ from torch import nn
 with warnings.catch_warnings():
     # torchrl's own legacy classes warn about their deprecated base class on import.
     warnings.filterwarnings(
-        "ignore", message=".*inherits from WeightUpdaterBase is deprecated", category=DeprecationWarning
+        "ignore",
+        message=".*inherits from WeightUpdaterBase is deprecated",
+        category=DeprecationWarning,
     )
     pytest.importorskip("torchrl", minversion="0.14")
     from tensordict import TensorDict
@@ -103,6 +105,29 @@ def test_options_are_checked_where_they_are_given():
         orphan.init_on_receiver(model_id="policy", model=policy)
         with pytest.raises(ValueError, match="name"):
             orphan.connect()
+
+
+def test_receiver_fills_a_stateless_policy_and_follows_a_replaced_one(name):
+    """torchrl ships workers a meta-device policy, and may later swap in a copy of it."""
+    policy = make_policy(0)
+    with ZmqWeightSyncScheme(name=name) as trainer:
+        trainer.init_on_sender(model_id="policy", model=policy)
+        with torch.device("meta"):
+            stateless = make_policy(None)
+        replacement = make_policy(None)
+        with ZmqWeightSyncScheme(name=name) as receiver:
+            receiver.init_on_receiver(model_id="policy", model=stateless, worker_idx=3)
+            receiver.connect()
+            assert receiver.subscriber.worker_id == f"{name}-w3"
+            assert all(t.device.type == "cpu" for t in stateless.state_dict().values())
+            assert torch.equal(stateless.state_dict()["module.0.weight"], policy.module[0].weight)
+            receiver.model = replacement  # what torchrl's worker does after a device copy
+            set_version(policy, 1)
+            trainer.send()  # returns once the re-attached receiver applied it
+            assert list(trainer.publisher.workers) == [f"{name}-w3"]
+            weight = replacement.state_dict()["module.0.weight"]
+            assert torch.equal(weight, weights_for(1)["module.0.weight"])
+            assert not torch.equal(stateless.state_dict()["module.0.weight"], weight)
 
 
 @pytest.mark.parametrize("kind", ["sync", "async"])
@@ -205,6 +230,41 @@ def test_late_collector_attaches_by_name(name, spawn):
         assert later["versions"] == [4] and later["error"] < 1e-5
         assert child.finish() == 0, child.stderr[-2000:]
         assert all(r["error"] < 1e-5 for r in child.records if r["event"] == "batch")
+
+
+def test_multi_collector_started_elsewhere_attaches_its_workers(name):
+    """A MultiSyncCollector given attach=True starts no bus: its workers join the trainer's
+    (here in alias mode: their policies compute straight from the shared buffer)."""
+    policy = make_policy(0)
+    with ZmqWeightSyncScheme(name=name) as trainer:
+        trainer.init_on_sender(model_id="policy", model=policy)
+        set_version(policy, 1)
+        trainer.send()  # nobody listens yet
+        options = {"attach": True, "worker_id": "box7", "mode": "alias"}
+        with ZmqWeightSyncScheme(name=name, **options) as scheme:
+            collector = MultiSyncCollector(
+                [make_env, make_env],
+                make_policy(None),
+                frames_per_batch=40,
+                total_frames=-1,
+                weight_sync_schemes={"policy": scheme},
+                track_policy_version=True,
+            )
+            try:
+                assert scheme.publisher is None
+                assert sorted(trainer.publisher.workers) == ["box7-w0", "box7-w1"]
+                batches = iter(collector)
+                batch = next(batches)
+                assert versions(batch) == [1] and action_error(batch) < 1e-5
+                set_version(policy, 2)
+                trainer.send()  # returns once both of the collector's workers applied it
+                assert sorted(trainer.last_publish.acked) == ["box7-w0", "box7-w1"]
+                collector.update_policy_weights_()  # nothing to do here: the trainer publishes
+                batch = next(batches)
+                assert versions(batch) == [2] and action_error(batch) < 1e-5
+                assert trainer.version == 2
+            finally:
+                collector.shutdown()
 
 
 def test_manual_apply_never_mixes_versions_in_a_batch(name):

@@ -93,6 +93,7 @@ class Soak:
         self.worker_state: dict[str, tuple[str, int]] = {}
         self.bad: list[dict[str, Any]] = []
         self.trainer: Child | None = None
+        self.armed = False
         self.workers: dict[str, Child] = {}
 
     # --- processes ---
@@ -115,8 +116,9 @@ class Soak:
             "--on-timeout",
             "evict",
         ]
+        with self.lock:
+            self.armed = False  # the watchdog starts once the new trainer says "started"
         self.trainer = Child(cmd, self.env, self.on_trainer)
-        self.last_output = time.monotonic()
 
     def start_worker(self, wid: str) -> None:
         i = int(wid[1:])
@@ -150,6 +152,7 @@ class Soak:
             self.last_output = time.monotonic()
             if rec["event"] == "started":
                 self.bus = rec["bus"]
+                self.armed = True
             elif rec["event"] == "published":
                 self.counts["publishes"] += 1
                 self.latencies.append(rec["seconds"])
@@ -208,6 +211,8 @@ class Soak:
     def watchdog(self) -> None:
         with self.lock:
             silent = time.monotonic() - self.last_output
+            if not self.armed:  # a trainer starting up (importing torch) is not a hang
+                return
         if silent > TIMEOUT_S + HEARTBEAT_S * 6 + 5:
             self.counts["hangs"] += 1
             self.bad.append({"event": "trainer silent", "seconds": silent})

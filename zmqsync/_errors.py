@@ -6,6 +6,7 @@
   x ProtocolError                             a peer sent something outside the protocol
   x LayoutMismatch      (also ValueError)     publish() got other keys/shapes/dtypes
   x SharedMemoryFull    (also OSError)        .path .needed .free
+  x BufferUnavailable   (also OSError)        a segment the publisher named cannot be mapped
   x ClosedError         (also RuntimeError)   the Publisher/Subscriber was closed
 
 Each error also subclasses the matching built-in, so ordinary ``except TimeoutError``
@@ -31,6 +32,19 @@ __all__ = [
 
 class ZmqSyncError(Exception):
     """Base class of every error zmqsync raises on purpose."""
+
+    def __reduce__(self) -> tuple[object, ...]:
+        # Keyword-only data (.missing, .needed, ...) survives pickling across processes.
+        return (_rebuild, (type(self), self.args, self.__dict__))
+
+
+def _rebuild(
+    cls: type[ZmqSyncError], args: tuple[object, ...], state: dict[str, object]
+) -> ZmqSyncError:
+    exc = cls.__new__(cls)
+    exc.args = args
+    exc.__dict__.update(state)
+    return exc
 
 
 class ConnectTimeout(ZmqSyncError, TimeoutError):

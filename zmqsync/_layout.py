@@ -52,20 +52,24 @@ def flatten(weights: Any) -> dict[Key, torch.Tensor]:
     Raises:
         TypeError: `weights` is none of the accepted kinds, or holds a non-tensor.
     """
-    from tensordict import TensorDictBase
-
     if isinstance(weights, torch.nn.Module):
         items = [*weights.named_parameters(), *weights.named_buffers()]
         flat = {tuple(name.split(".")): t.detach() for name, t in items}
-    elif isinstance(weights, TensorDictBase):
-        flat = {
-            (k,) if isinstance(k, str) else tuple(k): v.detach()
-            for k, v in weights.items(include_nested=True, leaves_only=True)
-        }
+    elif _is_tensordict(weights):
+        flat = {}
+        for k, v in weights.items(include_nested=True, leaves_only=True):
+            if not isinstance(v, torch.Tensor):
+                raise TypeError(f"TensorDict entry {k!r} is a {type(v).__name__}, not a tensor")
+            flat[(k,) if isinstance(k, str) else tuple(k)] = v.detach()
     elif isinstance(weights, Mapping):
         flat = {}
         for k, v in weights.items():
-            key = tuple(k.split(".")) if isinstance(k, str) else tuple(k)
+            if isinstance(k, str):
+                key = tuple(k.split("."))
+            elif isinstance(k, tuple) and all(isinstance(part, str) for part in k):
+                key = k
+            else:
+                raise TypeError(f"state_dict key {k!r} must be a str or a tuple of str")
             if not isinstance(v, torch.Tensor):
                 raise TypeError(f"state_dict entry {k!r} is a {type(v).__name__}, not a tensor")
             flat[key] = v.detach()
@@ -77,6 +81,15 @@ def flatten(weights: Any) -> dict[Key, torch.Tensor]:
     if not flat:
         raise ValueError("weights hold no tensors: nothing to publish")
     return flat
+
+
+def _is_tensordict(obj: Any) -> bool:
+    """Without importing tensordict (it imports torch._dynamo: seconds of start-up)."""
+    if not type(obj).__module__.startswith("tensordict"):
+        return False
+    from tensordict import TensorDictBase
+
+    return isinstance(obj, TensorDictBase)
 
 
 def to_tensordict(flat: Mapping[Key, torch.Tensor]) -> TensorDictBase:
@@ -125,8 +138,9 @@ class Layout:
     def check(self, flat: Mapping[Key, torch.Tensor]) -> None:
         """Raise LayoutMismatch naming the first difference between `flat` and the layout."""
         expected = [spec.key for spec in self.specs]
+        known = set(expected)
         missing = [k for k in expected if k not in flat]
-        extra = [k for k in flat if k not in set(expected)]
+        extra = [k for k in flat if k not in known]
         if missing or extra:
             what = f"missing key {'.'.join(missing[0])!r}" if missing else ""
             what = what or f"unexpected key {'.'.join(extra[0])!r}"

@@ -199,9 +199,10 @@ def _record(cls: type[Any]) -> Check:
 
 def _build(cls: type[Any], raw: dict[Any, Any], where: str, skip: tuple[str, ...] = ()) -> Any:
     table = FIELDS[cls]
-    extra = set(raw) - set(table) - set(skip)
-    if extra:
-        raise _fail(where, f"unknown field(s) {sorted(map(str, extra))[:5]}")
+    if len(raw) != len(table) + len(skip):  # exact field sets are the common case
+        extra = set(raw) - set(table) - set(skip)
+        if extra:
+            raise _fail(where, f"unknown field(s) {sorted(map(str, extra))[:5]}")
     values = {}
     for name, (check, _doc) in table.items():
         if name not in raw:
@@ -569,9 +570,18 @@ def to_plain(obj: Any) -> Any:
     return obj
 
 
+_FLAT = (Receive, Stop, Heartbeat, Ack, Bye, Inspect, Error)  # no nested records
+_NAMES: dict[type[Any], tuple[str, ...]] = {}
+
+
 def encode(msg: Message) -> bytes:
     """Bytes for `msg`. Our own messages are valid by construction."""
-    body = to_plain(msg)
+    cls = type(msg)
+    if cls in _FLAT:  # the hot path (RECEIVE, ACK, HEARTBEAT): no recursion
+        names = _NAMES.get(cls) or _NAMES.setdefault(cls, tuple(f.name for f in fields(msg)))
+        body = {name: getattr(msg, name) for name in names}
+    else:
+        body = to_plain(msg)
     body["proto"] = PROTO
     body["type"] = msg.TYPE
     return msgpack.packb(body, use_bin_type=True)  # type: ignore[no-any-return]

@@ -22,6 +22,7 @@ import secrets
 import threading
 import time
 import warnings
+import weakref
 from collections import Counter
 from collections.abc import Iterable
 from typing import Any
@@ -464,7 +465,9 @@ class _Agent:
     """The thread that owns the publisher's sockets (control, events, acks)."""
 
     def __init__(self, pub: Publisher) -> None:
-        self.pub = pub
+        # A proxy: the thread must not keep an unclosed Publisher alive (its __del__
+        # warns and cleans up).
+        self.pub: Publisher = weakref.proxy(pub)
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self.seq = 0
         self._closing: Deadline | None = None

@@ -28,6 +28,7 @@ import socket
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -375,7 +376,7 @@ class _Agent:
     """The thread that owns the subscriber's sockets (handshake REQ, events SUB, acks PUSH)."""
 
     def __init__(self, sub: Subscriber) -> None:
-        self.sub = sub
+        self.sub: Subscriber = weakref.proxy(sub)  # never keeps an unclosed one alive
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self.events: zmq.Socket[bytes] | None = None
         self.acks: zmq.Socket[bytes] | None = None

@@ -199,6 +199,12 @@ def cmd_gc(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from ._bench import run_from_args
+
+    return run_from_args(args)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="zmqsync", description=__doc__.splitlines()[0])
     parser.add_argument("--log-level", default="WARNING", help="logging level (default WARNING)")
@@ -243,6 +249,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=3.0, help="INSPECT deadline (s)")
     p.set_defaults(func=cmd_sniff)
 
+    p = sub.add_parser("bench", help="benchmarks: zmqsync vs floors, torchrl, naive pickle")
+    from ._bench import add_arguments as add_bench_arguments
+
+    add_bench_arguments(p)
+    p.set_defaults(func=cmd_bench)
+
     p = sub.add_parser("gc", help="remove segments leaked by killed processes")
     p.add_argument("--shm-dir", default=None, help="default: $ZMQSYNC_SHM_DIR or /dev/shm")
     p.set_defaults(func=cmd_gc)
@@ -254,7 +266,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     try:
         return int(args.func(args))
-    except (ZmqSyncError, TimeoutError, ValueError) as exc:
+    except (ZmqSyncError, TimeoutError, ValueError, OSError) as exc:
         print(f"zmqsync {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -221,11 +221,6 @@ def test_attach_refuses_a_directory(shm):
         os.rmdir(os.path.join(shm, "zmqsync-dir"))
 
 
-@pytest.mark.xfail(
-    reason="BUG: CpuAttachment.attach opens the segment without O_NONBLOCK, so a FIFO "
-    "named like a segment blocks the subscriber forever instead of being refused",
-    strict=True,
-)
 def test_attach_refuses_a_fifo_without_blocking(shm):
     fifo = os.path.join(shm, "zmqsync-fifo")
     os.mkfifo(fifo, 0o600)
@@ -441,11 +436,6 @@ def test_gc_of_a_missing_directory_is_empty(tmp_path):
     assert collect_garbage(str(tmp_path / "nope")) == []
 
 
-@pytest.mark.xfail(
-    reason="BUG: collect_garbage opens every zmqsync-* name without O_NONBLOCK; a FIFO "
-    "(which anyone can create in /dev/shm) blocks it, and with it Publisher.start()",
-    strict=True,
-)
 def test_gc_does_not_block_on_a_fifo(shm):
     fifo = os.path.join(shm, "zmqsync-fifo")
     os.mkfifo(fifo, 0o600)

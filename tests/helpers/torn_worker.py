@@ -32,8 +32,18 @@ def main() -> int:
             versions.add(r.version)
             if values != {float(r.version % 100)}:
                 bad += 1
-    print(json.dumps({"event": "summary", "reads": reads, "torn": torn, "bad": bad,
-                      "versions": len(versions)}), flush=True)
+    print(
+        json.dumps(
+            {
+                "event": "summary",
+                "reads": reads,
+                "torn": torn,
+                "bad": bad,
+                "versions": len(versions),
+            }
+        ),
+        flush=True,
+    )
     return 0
 
 

@@ -163,7 +163,8 @@ class CpuAttachment(AttachedBuffer):
             raise ProtocolError(f"segment name {info.segment!r} is not a plain file name")
         path = os.path.join(directory, info.segment)
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            # O_NONBLOCK: a FIFO planted under a segment's name must not block open()
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
         except OSError as exc:
             if exc.errno == errno.ELOOP:
                 raise ProtocolError(f"segment {path} is a symlink; refusing to follow it") from exc
@@ -230,7 +231,7 @@ def collect_garbage(directory: str) -> list[str]:
 
 def _remove_if_unlocked(path: str, *, min_age_s: float) -> bool:
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError:
         return False
     try:

@@ -40,6 +40,7 @@ import logging
 import os
 import re
 import secrets
+import socket
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -47,7 +48,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._config import check_name
+from .._config import check_name, default_address
 from .._config import shm_dir as resolve_shm_dir
 from .._publisher import Publish, Publisher
 from .._subscriber import Subscriber
@@ -95,8 +96,13 @@ class ZmqWeightSyncScheme(WeightSyncScheme):  # type: ignore[misc]
         on_timeout: "raise" (``PublishTimeout`` naming the missing workers) or "evict".
         heartbeat: the sender's heartbeat interval (s); a receiver silent for about six
             beats is dropped.
-        worker_id: a receiver's id on the bus. None: ``<name>-w<i>`` for torchrl's
-            worker ``i``, ``<host>-<pid>`` for a collector started on its own.
+        attach: the bus is published elsewhere (by a trainer's scheme or a
+            `zmqsync.Publisher` named `name`): a collector given this scheme starts no
+            bus; its workers join that one, and its ``update_policy_weights_()`` does
+            nothing (the trainer publishes).
+        worker_id: a receiver's id on the bus; for torchrl's worker ``i`` the prefix of
+            ``<worker_id>-w<i>``. None: ``<name>-w<i>`` (``<host>-<pid>-w<i>`` with
+            attach=True), and ``<host>-<pid>`` for a collector started on its own.
         shm_dir: tmpfs directory of the shared buffer (default ``$ZMQSYNC_SHM_DIR`` or
             /dev/shm); the sender's choice is handed to torchrl's workers.
         strategy: torchrl's weight format for ``apply_weights``; kept for compatibility.
@@ -114,6 +120,7 @@ class ZmqWeightSyncScheme(WeightSyncScheme):  # type: ignore[misc]
         timeout: float | None = 10.0,
         on_timeout: str = "raise",
         heartbeat: float = 0.5,
+        attach: bool = False,
         worker_id: str | None = None,
         shm_dir: str | None = None,
         strategy: str = "tensordict",
@@ -133,6 +140,8 @@ class ZmqWeightSyncScheme(WeightSyncScheme):  # type: ignore[misc]
             raise ValueError(f'on_timeout must be "raise" or "evict", not {on_timeout!r}')
         if not 1 <= slots <= 64:
             raise ValueError(f"slots must be between 1 and 64, not {slots}")
+        if attach and name is None and address is None:
+            raise ValueError("attach=True needs the name (or address) of the bus to join")
         self._name = None if name is None else check_name(name)
         self._address = address
         self._mode = mode
@@ -142,6 +151,7 @@ class ZmqWeightSyncScheme(WeightSyncScheme):  # type: ignore[misc]
         self._timeout = timeout
         self._on_timeout = on_timeout
         self._heartbeat = heartbeat
+        self._attach_only = attach
         self._worker_id = worker_id
         self._shm_dir = shm_dir
 
@@ -185,7 +195,8 @@ class ZmqWeightSyncScheme(WeightSyncScheme):  # type: ignore[misc]
 
     def __repr__(self) -> str:
         side = "sender" if self._sender else "receiver" if self._subscriber else "idle"
-        return f"<ZmqWeightSyncScheme {self._name!r} {side} v{self.version} {self._mode}/{self._apply}>"
+        options = f"{self._mode}/{self._apply}"
+        return f"<ZmqWeightSyncScheme {self._name!r} {side} v{self.version} {options}>"
 
     # --- sender side -------------------------------------------------------------------
 
@@ -219,6 +230,11 @@ class ZmqWeightSyncScheme(WeightSyncScheme):  # type: ignore[misc]
         self.model_id = model_id or "policy"
         if context is not None:
             self.context = context
+        if self._attach_only:  # workers join the bus by its address, resolved here
+            self._address = self._address or default_address(self._name or "weights")
+            self._shm_dir = resolve_shm_dir(self._shm_dir)
+            self._worker_id = self._worker_id or f"{socket.gethostname()}-{os.getpid()}"
+            return
         source = self._source(context, model, weights)
         name = self._name or _generated_name(self.model_id)
         shm_dir = resolve_shm_dir(self._shm_dir)
@@ -276,6 +292,9 @@ class ZmqWeightSyncScheme(WeightSyncScheme):  # type: ignore[misc]
                 within ``timeout`` (``.missing`` names them).
             LayoutMismatch: ``weights`` differ from the bus's keys, shapes or dtypes.
         """
+        if self._attach_only:
+            log.debug("update_policy_weights_() on an attached bus: the trainer publishes")
+            return
         self._publish(weights, worker_ids, wait=self._sync)
 
     def _publish(self, weights: Any, worker_ids: Any, *, wait: bool) -> Publish:
@@ -307,7 +326,7 @@ class ZmqWeightSyncScheme(WeightSyncScheme):  # type: ignore[misc]
         return names
 
     def _worker_name(self, worker_idx: int) -> str:
-        return f"{self._name or 'weights'}-w{worker_idx}"
+        return f"{self._worker_id or self._name or 'weights'}-w{worker_idx}"
 
     # --- receiver side -----------------------------------------------------------------
 
@@ -348,13 +367,13 @@ class ZmqWeightSyncScheme(WeightSyncScheme):  # type: ignore[misc]
         model = self.model
         if model is None:
             raise ValueError(f"no model to update for {self.model_id!r}")
-        self._attach(model)
+        self._join(model)
         atexit.register(self._close_receiver)
 
-    def _attach(self, model: Any) -> None:
+    def _join(self, model: Any) -> None:
         _materialize(model, self._strategy)
         worker_id = self._worker_id
-        if worker_id is None and self.worker_idx is not None:
+        if self.worker_idx is not None:
             worker_id = self._worker_name(self.worker_idx)
         self._bound_model = model
         self._subscriber = Subscriber(
@@ -365,7 +384,7 @@ class ZmqWeightSyncScheme(WeightSyncScheme):  # type: ignore[misc]
             apply=self._apply,
             worker_id=worker_id,
             timeout=self._timeout,
-            on_update=self._on_version,
+            on_update=self._sync_tracker,  # after each apply, before the ack
             shm_dir=self._shm_dir,
         ).start()
         if self.context is not None:
@@ -390,10 +409,6 @@ class ZmqWeightSyncScheme(WeightSyncScheme):  # type: ignore[misc]
             return None
         return sub.weights
 
-    def _on_version(self, version: int) -> None:
-        """Subscriber callback (after each apply, before the ack)."""
-        self._sync_tracker(version)
-
     def _adopt(self, context: Any) -> None:
         """The receiver's collector is known: align its version, hook manual applies."""
         assert self._subscriber is not None
@@ -416,7 +431,7 @@ class ZmqWeightSyncScheme(WeightSyncScheme):  # type: ignore[misc]
         if self._subscriber is not None:
             self._subscriber.close()
             self._subscriber = None
-        self._attach(model)
+        self._join(model)
 
     def _close_receiver(self) -> None:
         sub, self._subscriber = self._subscriber, None
@@ -530,11 +545,9 @@ def _find_model(context: Any, model_id: str) -> Any:
     """The collector's model, as torchrl's own schemes find it."""
     get_model: Callable[[str], Any] | None = getattr(context, "get_model", None)
     try:
-        model = get_model(model_id) if get_model is not None else None
-    except ValueError:
+        model = get_model(model_id) if get_model else _resolve_model(context, model_id)
+    except (AttributeError, ValueError):  # no such model (a collector built from factories)
         model = None
-    if model is None:
-        model = _resolve_model(context, model_id) if model_id != "policy" else None
     if model is None and model_id == "policy":
         factories = [f for f in getattr(context, "policy_factory", None) or () if f is not None]
         if any(f is not factories[0] for f in factories):

@@ -1,0 +1,549 @@
+"""The worker processes of `zmqsync bench`, and the models every side builds.
+
+Run by the harness (`zmqsync._bench`) with `subprocess`, never by hand::
+
+    python -m zmqsync._bench_worker pool --index I
+        One pool worker: an independent interpreter that imports torch once and then
+        plays every worker role the benchmark needs, one command at a time. Commands
+        are JSON lines on stdin, each answered by one JSON line on stdout:
+        ``model`` (build a model of a given size), ``join``/``leave`` (a zmqsync
+        `Subscriber` in copy or alias mode), ``respond``/``unrespond`` (a thread that
+        answers the harness's own PUB socket: raw ZeroMQ echo, naive pickled
+        state_dict, or one memcpy of the floor buffer), ``touch`` (read every weight,
+        as a forward pass would), ``mem`` (PSS/RSS from /proc/self), ``drop``, ``exit``.
+
+    python -m zmqsync._bench_worker torchrl SPEC_JSON
+        torchrl's ``SharedMemWeightSyncScheme`` driven as its collectors drive it: the
+        sender (this process) calls ``init_on_sender`` before the workers start and
+        ``connect()`` after, the receivers (processes started from torchrl's own
+        multiprocessing context) call ``init_on_receiver`` and ``connect``; sync
+        ``send()`` is timed. Prints one JSON line per measured point. The harness runs
+        it in its own session and kills the whole group on a deadline: a dead receiver
+        blocks torchrl's ``send()`` forever.
+
+A pool worker exits when its stdin closes and, on Linux, when its parent dies
+(PR_SET_PDEATHSIG), so a killed harness leaves no process behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import gc
+import json
+import math
+import mmap
+import os
+import pickle
+import signal
+import sys
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = [
+    "MODEL_ALIGN",
+    "FlatModel",
+    "PlainModel",
+    "make_model",
+    "make_plain_model",
+    "model_bytes",
+    "model_shapes",
+    "read_memory",
+]
+
+MODEL_ALIGN = 64  # bytes between tensors of a bench model (float32 views need 4)
+MANY_TENSORS = 2000  # the "many small tensors" model: 2,000 tensors of 512 floats
+
+
+def model_shapes(kind: str, nbytes: int) -> list[tuple[int, ...]]:
+    """Tensor shapes of a bench model of about `nbytes` bytes (float32).
+
+    ``mlp``: four Linear layers (weight h×h, bias h), 8 tensors. ``many``: 2,000 vectors
+    of 512 floats (4 MB in total), the per-tensor overhead case.
+    """
+    if kind == "mlp":
+        h = max(2, int(math.sqrt(nbytes / 16)))
+        return [(h, h), (h,)] * 4
+    if kind == "many":
+        return [(512,)] * MANY_TENSORS
+    raise ValueError(f"unknown model kind {kind!r}")
+
+
+def _round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+class FlatModel(nn.Module):
+    """A module whose parameters are float32 views into one flat byte buffer.
+
+    One buffer per model lets the harness measure the memcpy floor on exactly the bytes
+    the model holds (``flat.copy_(src)``), without a second allocation per worker.
+    """
+
+    def __init__(self, shapes: list[tuple[int, ...]], flat: torch.Tensor, grad: bool) -> None:
+        super().__init__()
+        self.params = nn.ParameterList()
+        offset = 0
+        for shape in shapes:
+            n = math.prod(shape) * 4
+            view = flat[offset : offset + n].view(torch.float32).view(shape)
+            self.params.append(nn.Parameter(view, requires_grad=grad))
+            offset += _round_up(n, MODEL_ALIGN)
+
+
+class PlainModel(nn.Module):
+    """The same parameters, each with its own storage (what a real model looks like)."""
+
+    def __init__(self, shapes: list[tuple[int, ...]], fill: bool, grad: bool) -> None:
+        super().__init__()
+        self.params = nn.ParameterList()
+        for shape in shapes:
+            t = torch.empty(shape)
+            if fill:
+                t.fill_(0.5)
+            self.params.append(nn.Parameter(t, requires_grad=grad))
+
+
+def make_model(
+    kind: str, nbytes: int, *, fill: bool, grad: bool = False
+) -> tuple[FlatModel, torch.Tensor]:
+    """A bench model and its flat buffer.
+
+    Args:
+        kind: "mlp" or "many" (see `model_shapes`).
+        nbytes: target size in bytes.
+        fill: write every byte (a trainer's model); False leaves the pages untouched, so
+            a worker's model costs no memory until something writes it.
+        grad: requires_grad of the parameters (a trainer's are True).
+    """
+    shapes = model_shapes(kind, nbytes)
+    total = sum(_round_up(math.prod(s) * 4, MODEL_ALIGN) for s in shapes)
+    flat = torch.empty(total, dtype=torch.uint8)
+    if fill:
+        flat.view(torch.float32).fill_(0.5)
+    return FlatModel(shapes, flat, grad), flat
+
+
+def make_plain_model(kind: str, nbytes: int, *, grad: bool = True) -> PlainModel:
+    """A filled bench model with one storage per tensor.
+
+    The naive baseline pickles ``state_dict()``: torch pickles a storage once per tensor
+    that views it, so views into one flat buffer would be serialized many times over.
+    """
+    return PlainModel(model_shapes(kind, nbytes), fill=True, grad=grad)
+
+
+def model_bytes(kind: str, nbytes: int) -> int:
+    """Bytes of the tensors themselves (what a publish moves), padding excluded."""
+    return sum(math.prod(s) * 4 for s in model_shapes(kind, nbytes))
+
+
+# --- memory ---------------------------------------------------------------------------
+
+_ROLLUP_FIELDS = ("Rss", "Pss", "Private_Clean", "Private_Dirty", "Shared_Clean", "Shared_Dirty")
+
+
+def read_memory(pid: int | str = "self", under: str | None = None) -> dict[str, int]:
+    """Memory of a process in bytes, from /proc/PID/smaps_rollup.
+
+    With `under`, also ``seg_pss`` / ``seg_rss``: the part of PSS/RSS that maps files
+    whose path starts with that prefix (the shared segments), from /proc/PID/smaps.
+    """
+    out: dict[str, int] = {}
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) == 3 and parts[2] == "kB" and parts[0][:-1] in _ROLLUP_FIELDS:
+                out[parts[0][:-1].lower()] = int(parts[1]) * 1024
+    if under is not None:
+        seg_pss = seg_rss = 0
+        inside = False
+        prefix = under
+        with open(f"/proc/{pid}/smaps") as f:
+            for line in f:
+                parts = line.split()
+                if not parts:
+                    continue
+                if not parts[0].endswith(":"):  # a mapping's header line
+                    inside = len(parts) >= 6 and parts[5].startswith(prefix)
+                elif inside and parts[0] == "Pss:":
+                    seg_pss += int(parts[1]) * 1024
+                elif inside and parts[0] == "Rss:":
+                    seg_rss += int(parts[1]) * 1024
+        out["seg_pss"], out["seg_rss"] = seg_pss, seg_rss
+    return out
+
+
+def _trim() -> None:
+    """Give freed heap back to the OS (glibc), so the next point's baseline is honest."""
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this process when the harness dies (no orphan keeps /dev/shm)."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() == 1:  # the parent is already gone
+        os._exit(1)
+
+
+def _map_readonly(path: str, size: int) -> tuple[mmap.mmap, torch.Tensor]:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        mm = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+    finally:
+        os.close(fd)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # read-only on purpose
+        return mm, torch.frombuffer(mm, dtype=torch.uint8)
+
+
+# --- pool worker ----------------------------------------------------------------------
+
+
+class _Responder:
+    """A thread answering the harness's PUB socket on its PUSH socket.
+
+    Frames in: ``[kind, seq, payload?]``; out: ``[index, seq]``. Kinds: ``raw`` (echo:
+    the raw ZeroMQ floor), ``naive`` (unpickle a state_dict and load it into the model),
+    ``copy`` (one ``copy_`` of the floor buffer into the model's own bytes).
+    """
+
+    def __init__(self, worker: _PoolWorker, events: str, acks: str) -> None:
+        import zmq
+
+        self.worker = worker
+        self.ctx = zmq.Context()
+        self.sub = self.ctx.socket(zmq.SUB)
+        self.sub.linger = 0
+        self.sub.setsockopt(zmq.RCVHWM, 0)
+        self.sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sub.connect(events)
+        self.push = self.ctx.socket(zmq.PUSH)
+        self.push.linger = 0
+        self.push.connect(acks)
+        self.ident = str(worker.index).encode()
+        self.stop = threading.Event()
+        self.error = ""
+        self.thread = threading.Thread(target=self._run, name="bench-responder", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            while not self.stop.is_set():
+                if not self.sub.poll(100):
+                    continue
+                frames = self.sub.recv_multipart()
+                kind, seq = frames[0], frames[1]
+                if kind == b"naive":
+                    state = pickle.loads(frames[2])
+                    model = self.worker.model
+                    if model is not None:
+                        model.load_state_dict(state)
+                    del state
+                elif kind == b"copy":
+                    src, flat = self.worker.floor_src, self.worker.flat
+                    if src is not None and flat is not None:
+                        flat[: src.numel()].copy_(src)
+                self.push.send_multipart([self.ident, seq])
+        except Exception as exc:  # reported by the next command's reply
+            self.error = f"{type(exc).__name__}: {exc}"
+        finally:
+            self.sub.close()
+            self.push.close()
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(5)
+        self.ctx.destroy(linger=0)
+
+
+class _PoolWorker:
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.model: FlatModel | None = None
+        self.flat: torch.Tensor | None = None
+        self.floor_src: torch.Tensor | None = None
+        self._floor_mm: mmap.mmap | None = None
+        self.sub: Any = None
+        self.responder: _Responder | None = None
+        self.handlers: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
+            "model": self.cmd_model,
+            "drop": self.cmd_drop,
+            "join": self.cmd_join,
+            "leave": self.cmd_leave,
+            "respond": self.cmd_respond,
+            "unrespond": self.cmd_unrespond,
+            "touch": self.cmd_touch,
+            "mem": self.cmd_mem,
+            "ping": lambda _: {},
+        }
+
+    def cmd_model(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        self.cmd_drop({})
+        self.model, self.flat = make_model(cmd["kind"], cmd["nbytes"], fill=False)
+        return {"bytes": self.flat.numel()}
+
+    def cmd_drop(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        self.cmd_leave({})
+        self.cmd_unrespond({})
+        self.model = self.flat = self.floor_src = None
+        self._floor_mm = None
+        _trim()
+        return {}
+
+    def cmd_join(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        from ._subscriber import Subscriber
+
+        self.cmd_leave({})
+        t0 = time.perf_counter()
+        sub = Subscriber(
+            cmd["address"],
+            self.model,
+            name=cmd["name"],
+            mode=cmd["mode"],
+            worker_id=f"bench-{self.index}",
+            timeout=cmd["timeout"],
+            shm_dir=cmd["shm_dir"],
+        )
+        sub.start()
+        seconds = time.perf_counter() - t0
+        self.sub = sub
+        return {"seconds": seconds, "version": sub.version}
+
+    def cmd_leave(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        if self.sub is not None:
+            self.sub.close()
+            self.sub = None
+        return {}
+
+    def cmd_respond(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        self.cmd_unrespond({})
+        if cmd.get("floor"):
+            self._floor_mm, self.floor_src = _map_readonly(cmd["floor"], cmd["floor_bytes"])
+        self.responder = _Responder(self, cmd["events"], cmd["acks"])
+        return {}
+
+    def cmd_unrespond(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        error = ""
+        if self.responder is not None:
+            error = self.responder.error
+            self.responder.close()
+            self.responder = None
+        self.floor_src = None
+        self._floor_mm = None  # unmapped when the last view goes
+        if error:
+            raise RuntimeError(f"responder failed: {error}")
+        return {}
+
+    def cmd_touch(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """Read every weight once, as a forward pass would (maps the pages it uses)."""
+        total = 0.0
+        if self.model is not None:
+            with torch.no_grad():
+                for p in self.model.parameters():
+                    total += float(p.sum())
+        return {"sum": total}
+
+    def cmd_mem(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        return read_memory("self", cmd.get("under"))
+
+    def serve(self) -> int:
+        print(json.dumps({"event": "ready", "pid": os.getpid()}), flush=True)
+        for line in sys.stdin:
+            if not line.strip():
+                continue
+            cmd = json.loads(line)
+            reply: dict[str, Any] = {"id": cmd.get("id")}
+            if cmd["cmd"] == "exit":
+                self.cmd_drop({})
+                print(json.dumps({**reply, "ok": True}), flush=True)
+                return 0
+            try:
+                reply.update(self.handlers[cmd["cmd"]](cmd))
+                reply["ok"] = True
+            except Exception as exc:
+                reply.update(ok=False, error=f"{type(exc).__name__}: {exc}")
+            print(json.dumps(reply), flush=True)
+        self.cmd_drop({})  # stdin closed: the harness is gone
+        return 0
+
+
+def pool_main(argv: list[str]) -> int:
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the harness decides when we stop
+    threads = os.environ.get("ZMQSYNC_BENCH_THREADS")
+    if threads:
+        torch.set_num_threads(int(threads))
+    index = int(argv[argv.index("--index") + 1])
+    return _PoolWorker(index).serve()
+
+
+# --- torchrl --------------------------------------------------------------------------
+
+
+def _torchrl_receiver(
+    schemes: list[Any], specs: list[dict[str, Any]], worker_idx: int, control: Any, replies: Any
+) -> None:
+    """One torchrl worker: connects scheme k when told, as a collector worker would."""
+    _die_with_parent()
+    models: dict[int, FlatModel] = {}
+    while True:
+        msg = control.get()
+        if msg is None:
+            break
+        op, k = msg
+        try:
+            if op == "connect":
+                model, _ = make_model(specs[k]["kind"], specs[k]["nbytes"], fill=False)
+                schemes[k].init_on_receiver(model_id="policy", model=model, worker_idx=worker_idx)
+                schemes[k].connect(worker_idx=worker_idx)
+                models[k] = model
+            elif op == "release":
+                schemes[k].shutdown()
+                models.pop(k, None)
+                _trim()
+            replies.put((worker_idx, op, k, ""))
+        except Exception as exc:
+            replies.put((worker_idx, op, k, f"{type(exc).__name__}: {exc}"))
+    for k in list(models):
+        with contextlib.suppress(Exception):
+            schemes[k].shutdown()
+
+
+def torchrl_main(argv: list[str]) -> int:
+    """Sender side; `argv[0]` is a JSON spec: workers, start_method, points."""
+    _die_with_parent()
+    spec = json.loads(argv[0])
+    n = int(spec["workers"])
+    points: list[dict[str, Any]] = spec["points"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import torchrl
+        from torchrl._utils import _get_mp_ctx
+        from torchrl.weight_update import SharedMemWeightSyncScheme
+
+    def emit(**record: Any) -> None:
+        print(json.dumps(record), flush=True)
+
+    ctx = _get_mp_ctx(spec.get("start_method") or None)
+    if ctx.get_start_method() == "forkserver":
+        ctx.set_forkserver_preload(["torch", "torchrl", "zmqsync._bench_worker"])
+    cpu = torch.device("cpu")
+    schemes: list[Any] = []
+    trainers: list[FlatModel | None] = []
+    keep: list[Any] = []
+    for point in points:
+        trainer, _ = make_model(point["kind"], point["nbytes"], fill=True, grad=True)
+        scheme = SharedMemWeightSyncScheme()
+        if point["variant"] == "collector":
+            # What a collector does with a CPU policy: the policy's own tensors become
+            # the shared buffer (moved into shared memory in place).
+            scheme.init_on_sender(model_id="policy", model=trainer, devices=[cpu] * n, ctx=ctx)
+        else:
+            # The policy the collector holds is not the model being trained (a policy
+            # factory, or a trainer on another device): the scheme owns a buffer and
+            # send() copies the trainer's weights into it.
+            own, _ = make_model(point["kind"], point["nbytes"], fill=True)
+            keep.append(own)
+            scheme.init_on_sender(model_id="policy", model=own, devices=[cpu] * n, ctx=ctx)
+        schemes.append(scheme)
+        trainers.append(trainer)
+    specs = [{"kind": p["kind"], "nbytes": p["nbytes"]} for p in points]
+    controls = [ctx.Queue() for _ in range(n)]
+    replies = ctx.Queue()
+    t0 = time.perf_counter()
+    procs = [
+        ctx.Process(
+            target=_torchrl_receiver,
+            args=(schemes, specs, i, controls[i], replies),
+            daemon=True,
+        )
+        for i in range(n)
+    ]
+    for proc in procs:
+        proc.start()
+    emit(
+        event="started",
+        seconds=time.perf_counter() - t0,
+        start_method=ctx.get_start_method(),
+        torchrl=torchrl.__version__,
+    )
+
+    def everyone(op: str, k: int, timeout: float) -> None:
+        for q in controls:
+            q.put((op, k))
+        deadline = time.monotonic() + timeout
+        for _ in range(n):
+            _, _, _, error = replies.get(timeout=max(0.1, deadline - time.monotonic()))
+            if error:
+                raise RuntimeError(f"receiver {op} failed: {error}")
+
+    try:
+        for k, point in enumerate(points):
+            t1 = time.perf_counter()
+            scheme = schemes[k]
+            scheme.connect()  # puts the shared buffer on every worker's queue
+            everyone("connect", k, timeout=float(spec.get("connect_timeout", 300)))
+            connect_s = time.perf_counter() - t1
+            current = trainers[k]
+            lat: list[float] = []
+            start = time.perf_counter()
+            for i in range(point["warmup"] + point["iters"]):
+                if (
+                    i >= point["warmup"] + point["min_iters"]
+                    and time.perf_counter() - start > point["max_seconds"]
+                ):
+                    break
+                t = time.perf_counter()
+                scheme.send(weights=current)  # collector.update_policy_weights_(trainer)
+                if i >= point["warmup"]:
+                    lat.append(time.perf_counter() - t)
+            emit(
+                event="point",
+                key=point["key"],
+                variant=point["variant"],
+                lat=lat,
+                connect_s=connect_s,
+            )
+            everyone("release", k, timeout=60)
+            scheme.shutdown()
+            schemes[k] = trainers[k] = None
+            _trim()
+    finally:
+        for q in controls:
+            q.put(None)
+        for proc in procs:
+            proc.join(5)
+            if proc.is_alive():
+                proc.kill()
+    emit(event="done")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if not args:
+        print(__doc__, file=sys.stderr)
+        return 2
+    role, rest = args[0], args[1:]
+    if role == "pool":
+        return pool_main(rest)
+    if role == "torchrl":
+        return torchrl_main(rest)
+    print(f"unknown role {role!r}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
