@@ -55,9 +55,10 @@ def test_quick_grid_smoke(tmp_path):
         where = (r["n"], r["size"], r["mode"])
         assert r["status"] == "ok", where
         for key in ("zmqsync_p50", "zmqsync_p99", "raw_p50", "memcpy1_p50", "memcpyd_p50",
-                    "naive_p50", "x_raw", "x_floor", "gbps", "pss_delta", "extra",
-                    "segment_bytes"):  # fmt: skip
+                    "naive_p50", "x_raw", "x_floor", "gbps", "segment_bytes"):  # fmt: skip
             assert _number(r[key]), (where, key, r[key])
+        for key in ("pss_delta", "seg_pss", "extra"):  # differences: may be slightly < 0
+            assert isinstance(r[key], int | float) and math.isfinite(r[key]), (where, key)
         assert r["iters"] >= 3 and len(r["samples"]["zmqsync"]) == r["iters"]
         if r["mode"] == "copy":
             assert _number(r["copyn_p50"]), where
@@ -90,8 +91,9 @@ def test_plan_skips_points_that_do_not_fit():
     one_gb = _bench._padded(_bench.SIZES["1G"])
     assert _bench._skip_reason(cfg, "alias", 8, one_gb).startswith("skipped: needs")
     assert _bench._skip_reason(cfg, "copy", 1, 4096) == ""
+    half_gb = _bench._padded(_bench.SIZES["512M"])
     assert "per publish" in _bench._skip_reason(
-        _bench.BenchConfig(mem_budget=64 * _bench.GiB), "naive", 64, one_gb
+        _bench.BenchConfig(mem_budget=64 * _bench.GiB), "naive", 16, half_gb
     )
 
 

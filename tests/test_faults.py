@@ -271,3 +271,33 @@ def test_close_is_bounded_with_a_dead_publisher(name):
     sub.close()
     assert time.monotonic() - t0 < 6
     assert json.dumps(sub.version) == "0"
+
+
+def test_a_worker_dropped_mid_publish_is_missing_not_acked(spawn, name):
+    with zmqsync.Publisher({"w": torch.zeros(4)}, name=name, heartbeat=HB, timeout=10) as pub:
+        ok, dead = _worker(spawn, name, "alive"), _worker(spawn, name, "dead")
+        assert pub.wait_for_workers(2, timeout=60)
+        _applied(ok, 0), _applied(dead, 0)
+        dead.proc.send_signal(signal.SIGSTOP)
+        try:
+            p = pub.publish()  # returns once "dead" is dropped as silent (~6 beats)
+            assert p.acked == ("alive",) and p.missing == ("dead",)
+            assert p.seconds >= HB * 5
+        finally:
+            dead.proc.send_signal(signal.SIGCONT)
+
+
+def test_a_forked_child_does_not_close_the_parents_bus(name, bus_dirs):
+    _, shm = bus_dirs
+    with (
+        zmqsync.Publisher({"w": torch.zeros(4)}, name=name) as pub,
+        zmqsync.Subscriber(name=name) as sub,
+    ):
+        pid = os.fork()
+        if pid == 0:  # the child drops its copies, as a torchrl worker might
+            pub.close()
+            sub.close()
+            os._exit(0)
+        os.waitpid(pid, 0)
+        assert len(os.listdir(shm)) == 1
+        assert pub.publish().acked == (sub.worker_id,)

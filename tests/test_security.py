@@ -14,7 +14,7 @@ import zmq
 
 import zmqsync
 from zmqsync._config import runtime_dir
-from zmqsync._protocol import PROTO, Ack, Hello, Inspect, State, Welcome, decode, encode
+from zmqsync._protocol import PROTO, Ack, Hello, Inspect, State, decode, encode
 
 
 class _Canary:

@@ -159,3 +159,25 @@ def test_inspect_json_matches_the_bus(name, capsys):
         assert main(["inspect", "--name", name]) == 0
         table = capsys.readouterr().out
         assert "insp-a" in table and "running_mean" in table
+
+
+def test_sniff_waits_for_the_publisher_and_exits_when_the_bus_closes(spawn, name):
+    sniffer = spawn(
+        "sniff",
+        "--name",
+        name,
+        "--json",
+        "--wait",
+        "--timeout",
+        "60",
+        "--exit-on-stop",
+        "--type",
+        "receive",
+        "--type",
+        "stop",
+    )
+    trainer = _trainer(spawn, name, "--updates", "3", "--interval", "0.2")
+    assert trainer.finish(90) == 0
+    assert sniffer.finish(60) == 0
+    types = [r["type"] for r in sniffer.records]
+    assert types[-1] == "stop" and "receive" in types

@@ -200,7 +200,7 @@ class Row:
     torchrl_own_p99: float | None = None
     torchrl_own_status: str = ""
     join_p50: float | None = None
-    pss_delta: float | None = None  # per worker, mean: after - before (bytes)
+    pss_delta: float | None = None  # per worker, mean: after - before (anon + shmem PSS)
     seg_pss: float | None = None  # per worker, mean: PSS of the shared segment
     extra: float | None = None  # per worker, max: pss_delta - seg_pss
     segment_bytes: int | None = None
@@ -297,6 +297,11 @@ def _meminfo() -> dict[str, int]:
             key, _, rest = line.partition(":")
             out[key] = int(rest.split()[0]) * 1024
     return out
+
+
+def _available() -> int | None:
+    """MemAvailable now (the pool and anything else on the host already counted)."""
+    return _meminfo().get("MemAvailable")
 
 
 def describe_machine() -> dict[str, Any]:
@@ -603,14 +608,25 @@ def _need(what: str, n: int, s: int) -> int:
     raise ValueError(what)
 
 
-def _skip_reason(cfg: BenchConfig, what: str, n: int, s: int) -> str:
+SAFETY = 3 * GiB  # kept free for everything else on the host
+
+
+def _skip_reason(cfg: BenchConfig, what: str, n: int, s: int, available: int | None = None) -> str:
+    """Why a phase cannot run ('' if it can): memory budget, free memory, volume cap."""
     need = _need(what, n, s)
     if need > cfg.mem_budget:
         return f"skipped: needs {_fmt_gib(need)} (budget {_fmt_gib(cfg.mem_budget)})"
+    if available is not None and need > available - SAFETY:
+        return f"skipped: needs {_fmt_gib(need)}, {_fmt_gib(available)} available"
     if what == "naive" and (n + 1) * s > cfg.naive_volume_cap:
         cap = _fmt_gib(cfg.naive_volume_cap)
         return f"skipped: moves {_fmt_gib((n + 1) * s)} per publish (cap {cap})"
     return ""
+
+
+def _data(mem: dict[str, int]) -> int:
+    """PSS of a worker's data: anonymous + shared memory (file-backed code excluded)."""
+    return mem.get("pss_anon", 0) + mem.get("pss_shmem", 0)
 
 
 class _Stopwatch:
@@ -806,7 +822,7 @@ class _Run:
         row.raw_p50, row.raw_p99 = p50(samples["raw"]), p99(samples["raw"])
         row.memcpy1_p50, row.memcpyd_p50 = p50(samples["memcpy1"]), p50(samples["memcpyd"])
         row.copyn_p50 = p50(samples["copyn"])
-        deltas = [a["pss"] - b["pss"] for a, b in zip(after, before, strict=True)]
+        deltas = [_data(a) - _data(b) for a, b in zip(after, before, strict=True)]
         segs = [a["seg_pss"] - b["seg_pss"] for a, b in zip(after, before, strict=True)]
         row.pss_delta = statistics.mean(deltas)
         row.seg_pss = statistics.mean(segs)
@@ -845,10 +861,12 @@ class _Run:
         rows = []
         for mode in cfg.modes:
             row = Row(n=n, size=size.key, label=size.label, mode=mode)
-            row.status = _skip_reason(cfg, mode, n, s) or "ok"
+            row.status = _skip_reason(cfg, mode, n, s, _available()) or "ok"
             results.rows.append(row)
             rows.append(row)
-        naive_skip = _skip_reason(cfg, "naive", n, s) if cfg.naive else "skipped: --no-naive"
+        naive_skip = (
+            _skip_reason(cfg, "naive", n, s, _available()) if cfg.naive else "skipped: --no-naive"
+        )
         for row in rows:
             row.naive_status = naive_skip
         jobs: list[tuple[str, Callable[[Fanout], None]]] = [

@@ -146,11 +146,25 @@ def model_bytes(kind: str, nbytes: int) -> int:
 
 # --- memory ---------------------------------------------------------------------------
 
-_ROLLUP_FIELDS = ("Rss", "Pss", "Private_Clean", "Private_Dirty", "Shared_Clean", "Shared_Dirty")
+_ROLLUP_FIELDS = (
+    "Rss",
+    "Pss",
+    "Pss_Anon",
+    "Pss_File",
+    "Pss_Shmem",
+    "Private_Clean",
+    "Private_Dirty",
+    "Shared_Clean",
+    "Shared_Dirty",
+)
 
 
 def read_memory(pid: int | str = "self", under: str | None = None) -> dict[str, int]:
     """Memory of a process in bytes, from /proc/PID/smaps_rollup.
+
+    ``pss_anon + pss_shmem`` is the process's data; ``pss_file`` (library code) is left
+    out of comparisons: its PSS moves whenever any process on the host maps the same
+    libraries.
 
     With `under`, also ``seg_pss`` / ``seg_rss``: the part of PSS/RSS that maps files
     whose path starts with that prefix (the shared segments), from /proc/PID/smaps.

@@ -75,27 +75,29 @@ XPUB_WELCOME = b"\x00zmqsync-subscribed"  # first frame a new SUB gets: its subs
 class Publish:
     """The handle of one published version: who acked, who is missing, how long it took."""
 
-    def __init__(self, pub: Publisher, version: int, targets: tuple[str, ...]) -> None:
+    def __init__(
+        self, pub: Publisher, version: int, targets: tuple[str, ...], started: float
+    ) -> None:
         self.version = version
         self.targets = targets
         self._pub = pub
-        self._started = time.perf_counter()
+        self._started = started
         self._finished: float | None = None
-        self._missing: tuple[str, ...] | None = None
-        self._evicted: tuple[str, ...] = ()
-
-    @property
-    def missing(self) -> tuple[str, ...]:
-        """Targets that have not acked (evicted ones included, once evicted)."""
-        if self._missing is not None:
-            return self._missing
-        with self._pub._cond:
-            return tuple(self._pub._registry.missing(self.version, self.targets))
+        self._acked: tuple[str, ...] | None = None
 
     @property
     def acked(self) -> tuple[str, ...]:
-        gone = set(self.missing)
-        return tuple(w for w in self.targets if w not in gone)
+        """Targets that acknowledged this version (before leaving, if they left)."""
+        if self._acked is not None:
+            return self._acked
+        with self._pub._cond:
+            return tuple(self._pub._registry.acked(self.version, self.targets))
+
+    @property
+    def missing(self) -> tuple[str, ...]:
+        """Targets that did not ack: still on the bus, evicted, dropped as silent, or gone."""
+        acked = set(self.acked)
+        return tuple(w for w in self.targets if w not in acked)
 
     @property
     def seconds(self) -> float:
@@ -104,7 +106,11 @@ class Publish:
         return end - self._started
 
     def done(self) -> bool:
-        return self._finished is not None or not self.missing
+        """True once no target still on the bus is missing."""
+        if self._finished is not None:
+            return True
+        with self._pub._cond:
+            return not self._pub._registry.missing(self.version, self.targets)
 
     def wait(self, timeout: float | None = DEFAULT) -> Publish:
         """Block until every target acked, then return self.
@@ -121,10 +127,10 @@ class Publish:
             self, Deadline(self._pub._timeout if timeout is DEFAULT else timeout)
         )
 
-    def _finish(self, missing: Iterable[str] = ()) -> None:
+    def _finish(self, acked: Iterable[str]) -> None:
         if self._finished is None:
             self._finished = time.perf_counter()
-            self._missing = tuple(missing)
+            self._acked = tuple(acked)
 
     def __repr__(self) -> str:
         state = "done" if self.done() else f"waiting for {len(self.missing)}"
@@ -219,6 +225,7 @@ class Publisher:
         self._segment: CpuSegment | None = None
         self._slot_views: list[dict[Key, torch.Tensor]] = []
         self._resources = contextlib.ExitStack()
+        self._pid = os.getpid()
 
     # --- lifecycle -----------------------------------------------------------------
 
@@ -259,6 +266,7 @@ class Publisher:
             stack.callback(self._agent.stop)
             self._resources = stack.pop_all()
         self._state = "started"
+        self._pid = os.getpid()
         _lifecycle.track(self)
         log.info(
             "publisher %r started at %s (%d tensors, %.1f MiB, %d slots)",
@@ -276,6 +284,10 @@ class Publisher:
             self._state = "closed"
             return
         self._state = "closed"
+        if os.getpid() != self._pid:
+            # A forked child inherited this object: the segment, sockets and thread
+            # belong to the parent. Closing them here would break the parent's bus.
+            return
         if self._agent is not None:
             self._agent.command(b"stop")
         self._resources.close()
@@ -342,6 +354,7 @@ class Publisher:
             ClosedError: the publisher is not started.
         """
         self._check_usable()
+        started = time.perf_counter()
         deadline = Deadline(self._timeout if timeout is DEFAULT else timeout)
         flat = flatten(self._source if weights is None else weights)
         self._layout.check(flat)
@@ -355,7 +368,7 @@ class Publisher:
                 targets = tuple(members) if workers is None else tuple(w for w in workers)
                 self._counters["publishes"] += 1
             self._agent.command(b"announce %d %d" % (version, slot))  # type: ignore[union-attr]
-        handle = Publish(self, version, targets)
+        handle = Publish(self, version, targets, started)
         log.debug("published v%d into slot %d for %d workers", version, slot, len(targets))
         return self._wait(handle, deadline) if wait else handle
 
@@ -410,12 +423,12 @@ class Publisher:
             while missing := self._registry.missing(handle.version, handle.targets):
                 self._check_usable()
                 if deadline.expired():
-                    acked = [w for w in handle.targets if w not in missing]
+                    acked = self._registry.acked(handle.version, handle.targets)
                     self._on_deadline(handle.version, acked, missing, "did not ack")
-                    handle._finish(missing)
+                    handle._finish(acked)
                     return handle
                 self._cond.wait(deadline.wait_s(0.5))
-        handle._finish()
+            handle._finish(self._registry.acked(handle.version, handle.targets))
         return handle
 
     def _on_deadline(

@@ -64,6 +64,8 @@ class Registry:
         self.members: dict[str, Member] = {}
         self.slot_versions = [-1] * slots
         self.latest = -1
+        # last acked version of workers that left (for Publish.acked); bounded
+        self.departed: dict[str, int] = {}
 
     # --- membership ---
 
@@ -79,6 +81,9 @@ class Registry:
             floor=self.latest,
             last_seen=now,
         )
+        old = self.members.get(hello.worker_id)
+        if old is not None:
+            self._remember(old)
         self.members[hello.worker_id] = member
         return member
 
@@ -104,11 +109,29 @@ class Registry:
     def leave(self, worker_id: str, session: str) -> Member | None:
         member = self.find(worker_id, session)
         if member is not None:
-            del self.members[worker_id]
+            self._remember(self.members.pop(worker_id))
         return member
 
     def evict(self, worker_ids: Iterable[str]) -> list[Member]:
-        return [m for w in worker_ids if (m := self.members.pop(w, None)) is not None]
+        gone = [m for w in worker_ids if (m := self.members.pop(w, None)) is not None]
+        for member in gone:
+            self._remember(member)
+        return gone
+
+    def _remember(self, member: Member) -> None:
+        if len(self.departed) >= 10_000:
+            self.departed.pop(next(iter(self.departed)))
+        self.departed[member.worker_id] = member.acked
+
+    def acked(self, version: int, targets: Iterable[str]) -> list[str]:
+        """Targets that acknowledged `version`, including ones that left since."""
+        out = []
+        for w in targets:
+            member = self.members.get(w)
+            done = member.acked if member is not None else self.departed.get(w, -1)
+            if done >= version:
+                out.append(w)
+        return out
 
     def silent(self, now: float, limit_s: float) -> list[str]:
         return [w for w, m in self.members.items() if now - m.last_seen > limit_s]

@@ -127,6 +127,7 @@ class Subscriber:
         self._timeout = timeout
         self._on_update = on_update
         self._shm_dir = _config.shm_dir(shm_dir)
+        self._pid = os.getpid()
         curve = curve if curve is not None else client_from_env()
         self._secure = curve.apply if curve is not None else None
         self._lock = threading.RLock()
@@ -162,6 +163,7 @@ class Subscriber:
         if self._link != _Link.NEW:
             return self
         self.address = self._address_arg or _config.default_address(self.name)
+        self._pid = os.getpid()
         self._agent = _Agent(self)
         self._agent.start(Deadline(self._timeout))
         _lifecycle.track(self)
@@ -180,6 +182,8 @@ class Subscriber:
         if self._link == _Link.CLOSED:
             return
         self._link = _Link.CLOSED
+        if os.getpid() != self._pid:  # inherited through fork: the parent's to close
+            return
         if self._agent is not None:
             self._agent.stop()
         if self._attachment is not None:

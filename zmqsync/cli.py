@@ -84,6 +84,20 @@ def _inspect(address: str, timeout: float) -> Any:
     return reply
 
 
+def _wait_for_bus(address: str, timeout: float) -> Any:
+    """INSPECT, retried until a publisher answers or `timeout` passes."""
+    from ._deadline import Deadline
+    from ._errors import ConnectTimeout
+
+    deadline = Deadline(timeout)
+    while True:
+        try:
+            return _inspect(address, min(1.0, deadline.remaining() or 1.0))
+        except ConnectTimeout:
+            if deadline.expired():
+                raise
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     from ._protocol import to_plain
 
@@ -156,7 +170,11 @@ def cmd_sniff(args: argparse.Namespace) -> int:
             records = read_recording(stack.enter_context(open(args.replay, "rb")))
             summary = Summary(set())
         else:
-            state = _inspect(_address(args), args.timeout)
+            state = (
+                _wait_for_bus(_address(args), args.timeout)
+                if args.wait
+                else _inspect(_address(args), args.timeout)
+            )
             sniffer = stack.enter_context(Sniffer(state, _address(args)))
             if sniffer.fallback:
                 err.print(
@@ -183,6 +201,8 @@ def cmd_sniff(args: argparse.Namespace) -> int:
                     out.print(f"[bold]  {done}[/]")
             shown += 1
             if args.count and shown >= args.count:
+                break
+            if args.exit_on_stop and record.type == "stop" and not record.msg.session:
                 break
         err.print(f"zmqsync sniff: {shown} messages shown; {summary.final()}")
     return 0
@@ -247,6 +267,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--record", metavar="FILE", help="save every frame seen to FILE")
     p.add_argument("--replay", metavar="FILE", help="show a recording instead of a live bus")
     p.add_argument("--timeout", type=float, default=3.0, help="INSPECT deadline (s)")
+    p.add_argument(
+        "--wait", action="store_true", help="retry until a publisher answers (up to --timeout)"
+    )
+    p.add_argument(
+        "--exit-on-stop", action="store_true", help="exit when the publisher closes the bus"
+    )
     p.set_defaults(func=cmd_sniff)
 
     p = sub.add_parser("bench", help="benchmarks: zmqsync vs floors, torchrl, naive pickle")
