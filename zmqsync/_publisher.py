@@ -337,6 +337,7 @@ class Publisher:
         wait: bool = True,
         workers: Iterable[str] | None = None,
         timeout: float | None = DEFAULT,
+        version: int | None = None,
     ) -> Publish:
         """Write a new version into a free slot, announce it, and (by default) wait for acks.
 
@@ -346,6 +347,8 @@ class Publisher:
             wait: False returns at once; call `Publish.wait` later.
             workers: only these workers must ack (the others still get the version).
             timeout: one deadline for the whole publish; left out: the publisher's.
+            version: the number to publish under (default: the last one + 1); it must be
+                greater than the last. A relay uses this to keep the root's numbering.
 
         Raises:
             LayoutMismatch: `weights` has other keys, shapes or dtypes.
@@ -359,8 +362,12 @@ class Publisher:
         flat = flatten(self._source if weights is None else weights)
         self._layout.check(flat)
         with self._publish_lock:
+            latest = self._registry.latest
+            if version is None:
+                version = latest + 1
+            elif version <= latest:
+                raise ValueError(f"version {version} is not greater than the last ({latest})")
             slot = self._claim_slot(deadline)
-            version = self._registry.latest + 1
             self._write(slot, version, flat)
             with self._cond:
                 self._registry.record(version, slot)
