@@ -241,3 +241,15 @@ def test_tcp_loopback_address(name):
     ):
         pub.publish(weights={"x": torch.ones(3)})
         assert sub.version == 1 and torch.equal(sub.weights["x"], torch.ones(3))
+
+
+def test_publish_under_an_explicit_version(name):
+    with (
+        zmqsync.Publisher({"x": torch.zeros(2)}, name=name) as pub,
+        zmqsync.Subscriber(name=name) as sub,
+    ):
+        assert pub.publish(version=41).version == 41 and sub.version == 41
+        assert pub.publish().version == 42
+        with pytest.raises(ValueError, match="not greater"):
+            pub.publish(version=42)
+        assert pub.publish(version=100).version == 100 and sub.version == 100
