@@ -200,6 +200,8 @@ def _welcome(address: str, **changes) -> dict:
                 "header_bytes": 4096,
                 "handle": b"",
                 "device_uuid": "",
+                "pid_ns": 0,
+                "ipc_note": "",
             }
         ],
         "manifest": [

@@ -28,6 +28,7 @@ import msgpack
 
 from zmqsync import _config
 from zmqsync import _protocol as P
+from zmqsync import _transport as T
 from zmqsync._buffers import header as H
 from zmqsync._buffers.cpu import PREFIX, segment_name
 from zmqsync._publisher import XPUB_WELCOME, Publisher
@@ -77,9 +78,22 @@ NOTES: dict[type[Any], str] = {
     P.Hello: """\
 A subscriber sends an empty `bus`. A non-empty `bus` must be the publisher's own, or the
 answer is ERROR (a publisher that restarted has a new `bus`). The publisher also answers
-ERROR while it is closing and when it does not offer `transport` (this version offers
-`"cpu"` only). A HELLO with a `worker_id` already on the bus replaces that member: the
-new process gets a new `session`, and messages carrying the old one are ignored.""",
+ERROR while it is closing. A HELLO with a `worker_id` already on the bus replaces that
+member: the new process gets a new `session`, and messages carrying the old one are
+ignored.
+
+`transport` is what the worker asks for: `"cuda"` when it computes on a GPU (or has no
+model and sees one), else `"cpu"`. On a bus without CUDA buffers every worker reads the
+CPU segment: the publisher records `"cuda"` as `"cpu"`, with the note
+`{cpu_publisher}`.
+
+When the WELCOME shows that CUDA IPC cannot work here (the publisher's GPU is not
+visible, another PID namespace, no handle offered, the driver refuses the handle), the
+subscriber sends a second HELLO with `transport` `"cpu"` and the reason in
+`transport_note`, and uses only the answer to that one: the publisher then keeps the
+CPU copy of its CUDA tensors current (and copies the current version there before it
+answers). A worker that sees no GPU, or has CUDA IPC switched off, asks for `"cpu"` at
+once, with the note `{no_gpu}` or `{disabled}`.""",
     P.Welcome: """\
 `seq` is the seq of the last event sent before this answer: the subscriber drops every
 RECEIVE and STOP with `seq <= WELCOME.seq`. `version` is in `slot` now. `events` and
@@ -155,10 +169,27 @@ equals the contiguous strides of `shape` (a 0-size dimension counts as 1 there);
 {dtypes}""",
     P.BufferInfo: """\
 For `kind` `"cpu"`, `segment` is a file name inside the shared-memory directory
-(`$ZMQSYNC_SHM_DIR`, default `{shm}`), never a path. This version creates `"cpu"`
-buffers only; `handle` and `device_uuid` are reserved for the CUDA transport and are
-empty.""",
-    P.WorkerState: "Only in STATE.",
+(`$ZMQSYNC_SHM_DIR`, default `{shm}`), never a path. The first buffer is always that CPU
+segment: it holds the header, and room for every tensor of every slot at its offset,
+CUDA tensors included (their CPU copy, kept current while a worker reads it).
+`handle`, `device_uuid`, `pid_ns` and `ipc_note` are empty or 0 there.
+
+A `"cuda"` buffer (one per GPU the weights live on; `TensorSpec.buffer` names it) is one
+dedicated CUDA allocation of `size` bytes: `slots` slots of `slot_bytes`, after
+`header_bytes` (0: the header stays in the CPU segment), `segment` empty. `handle` is the
+{ipc_bytes}-byte `cudaIpcMemHandle_t` of that allocation (the buffer starts at its offset
+0), or empty when the publisher cannot share it, with the reason in `ipc_note` (for
+example expandable segments). `device_uuid` is the GPU's UUID (`GPU-<uuid>`): a
+subscriber finds its local index by UUID, whatever its `CUDA_VISIBLE_DEVICES`. `pid_ns`
+is the inode of the publisher's PID namespace (`/proc/self/ns/pid`; 0 when unknown). A
+subscriber opens the handle once, while it handles the WELCOME (`cudaIpcOpenMemHandle`,
+in torch `UntypedStorage._new_shared_cuda`), never afterwards; a RECEIVE is only sent
+after the publisher's GPU copies into the slot have completed. Checked by `decode`: a
+`"cuda"` `handle` is empty or exactly {ipc_bytes} bytes.""",
+    P.WorkerState: """\
+Only in STATE. `transport` is what the worker reads: `"cuda"` (it mapped the CUDA
+buffers) or `"cpu"` (the CPU segment); `transport_note` is the reason a worker reads the
+CPU copy of CUDA weights, as its HELLO gave it.""",
 }
 
 INTRO = """\
@@ -340,6 +371,10 @@ def _notes(cls: type[Any]) -> str:
         align=P.ALIGN,
         dtypes=dtypes,
         shm=_config.DEFAULT_SHM_DIR,
+        cpu_publisher=T.CPU_PUBLISHER,
+        no_gpu=T.NO_GPU,
+        disabled=T.DISABLED,
+        ipc_bytes=T.IPC_HANDLE_BYTES,
     )
 
 

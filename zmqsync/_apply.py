@@ -23,14 +23,32 @@ __all__ = ["Target"]
 class Target:
     """The tensors a subscriber updates, bound once to a model (or to nothing)."""
 
-    def __init__(self, model: Any, layout: Layout, mode: str, device: str | None) -> None:
+    def __init__(
+        self,
+        model: Any,
+        layout: Layout,
+        mode: str,
+        device: str | None,
+        view_devices: Mapping[Key, torch.device] | None = None,
+    ) -> None:
+        """Bind `model` (or fresh tensors when it is None) to `layout`.
+
+        Args:
+            device: where fresh tensors live in copy mode (default: where the buffer they
+                are read from lives: a GPU for the CUDA transport, else the CPU).
+            view_devices: the device of each slot view (default: all on the CPU). In
+                alias mode the model's tensors must already be there.
+        """
         self.mode = mode
         self.model = model
         self._layout = layout
+        cpu = torch.device("cpu")
+        where = view_devices or {}
         if model is None:
-            dev = torch.device(device or "cpu")
             self.tensors: dict[Key, torch.Tensor] = {
-                s.key: torch.zeros(s.shape, dtype=torch_dtype(s.dtype), device=dev)
+                s.key: torch.zeros(
+                    s.shape, dtype=torch_dtype(s.dtype), device=_home(s.key, mode, device, where)
+                )
                 for s in layout.specs
             }
         else:
@@ -42,10 +60,16 @@ class Target:
                     f"the model does not match the bus: {exc}".replace("publish() got", "it has")
                 ) from None
         if mode == "alias":
-            wrong = {str(t.device) for t in self.tensors.values()} - {"cpu"}
+            wrong = sorted(
+                {
+                    f"{t.device} (buffer on {where.get(k, cpu)})"
+                    for k, t in self.tensors.items()
+                    if t.device != where.get(k, cpu) and t.device.type != "meta"
+                }
+            )
             if wrong:
                 raise ValueError(
-                    f"alias mode needs the model on the buffer's device (cpu), not {wrong}; "
+                    f"alias mode needs the model on the buffer's device, not {', '.join(wrong)}; "
                     "use mode='copy' for a model on another device"
                 )
 
@@ -65,6 +89,15 @@ class Target:
 
     def weights(self) -> Any:
         return to_tensordict(self.tensors)
+
+
+def _home(key: Key, mode: str, device: str | None, views: Mapping[Key, torch.device]) -> Any:
+    """Where a fresh tensor lives: `device`, else where the buffer it reads lives (an alias
+    of GPU memory starts as a "meta" placeholder: the first apply replaces it)."""
+    view = views.get(key, torch.device("cpu"))
+    if mode == "copy":
+        return torch.device(device) if device else view
+    return view if view.type == "cpu" else torch.device("meta")
 
 
 def _set_module_tensor(module: torch.nn.Module, key: Key, view: torch.Tensor) -> None:

@@ -110,7 +110,18 @@ class Layout:
     slot_bytes: int
 
     @classmethod
-    def of(cls, flat: Mapping[Key, torch.Tensor]) -> Layout:
+    def of(
+        cls, flat: Mapping[Key, torch.Tensor], buffers: Mapping[Key, int] | None = None
+    ) -> Layout:
+        """Lay `flat` out in one slot.
+
+        Args:
+            flat: the tensors, in the order they get their offsets.
+            buffers: key -> index of the buffer that holds the tensor (one buffer per
+                device); None or a key not listed: buffer 0, the CPU segment. Every
+                buffer uses the same offsets, so the CPU segment can hold a copy of any
+                tensor at its place.
+        """
         specs, offset = [], 0
         for key, tensor in flat.items():
             if tensor.dtype not in _DTYPE_NAMES:
@@ -125,6 +136,7 @@ class Layout:
                     stride=contiguous_stride(shape),
                     offset=offset,
                     nbytes=nbytes,
+                    buffer=buffers.get(key, 0) if buffers else 0,
                 )
             )
             offset = _round_up(offset + nbytes, ALIGN)
@@ -158,10 +170,15 @@ class Layout:
                     "or start a new Publisher"
                 )
 
-    def views(self, slot: torch.Tensor) -> dict[Key, torch.Tensor]:
-        """Typed views of every tensor inside `slot` (a flat uint8 tensor)."""
+    def views(self, slot: torch.Tensor, buffer: int | None = None) -> dict[Key, torch.Tensor]:
+        """Typed views of every tensor inside `slot` (a flat uint8 tensor).
+
+        With `buffer`, only of the tensors that buffer holds.
+        """
         out = {}
         for spec in self.specs:
+            if buffer is not None and spec.buffer != buffer:
+                continue
             raw = slot[spec.offset : spec.offset + spec.nbytes]
             out[spec.key] = raw.view(torch_dtype(spec.dtype)).view(spec.shape)
         return out

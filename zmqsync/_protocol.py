@@ -63,6 +63,7 @@ MAX_NDIM = 16
 MAX_KEY_DEPTH = 32
 MAX_WORKERS = 100_000
 MAX_U63 = (1 << 63) - 1
+CUDA_IPC_HANDLE = 64  # sizeof(cudaIpcMemHandle_t)
 
 # dtype name on the wire -> item size in bytes. A fixed table: a name received is looked
 # up here, never resolved with getattr on a module.
@@ -264,6 +265,14 @@ class BufferInfo:
     header_bytes: int
     handle: bytes = b""
     device_uuid: str = ""
+    pid_ns: int = 0
+    ipc_note: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind == "cuda" and len(self.handle) not in (0, CUDA_IPC_HANDLE):
+            raise ValueError(
+                f"a CUDA IPC handle is {CUDA_IPC_HANDLE} bytes, not {len(self.handle)}"
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -277,6 +286,7 @@ class WorkerState:
     transport: str
     version: int
     last_seen: float
+    transport_note: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -290,6 +300,7 @@ class Hello:
     host: str
     mode: str
     transport: str
+    transport_note: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -463,6 +474,8 @@ FIELDS: dict[type[Any], dict[str, tuple[Check, str]]] = {
         "header_bytes": (_int(0, 1 << 20), "bytes of the header page before slot 0"),
         "handle": (_bin(256), "CUDA IPC handle bytes; empty for cpu"),
         "device_uuid": (_text(64), "CUDA device UUID; empty for cpu"),
+        "pid_ns": (_int(), "publisher's PID namespace inode (0: unknown); CUDA IPC needs the same"),
+        "ipc_note": (_text(256), "why a cuda buffer has no handle (then read the cpu copy)"),
     },
     WorkerState: {
         "worker_id": (_ID, "worker id"),
@@ -472,6 +485,7 @@ FIELDS: dict[type[Any], dict[str, tuple[Check, str]]] = {
         "transport": (_choice("cpu", "cuda"), "how the worker reads the buffer"),
         "version": (_int(-1), "last acked version; -1 before the first ack"),
         "last_seen": (_float(0, 1e12), "seconds since the last message from it"),
+        "transport_note": (_text(256), "why it reads the cpu copy of cuda weights, if it does"),
     },
     Hello: {
         "bus": (_BUS_OR_EMPTY, "empty, or the bus the sender last knew"),
@@ -480,6 +494,7 @@ FIELDS: dict[type[Any], dict[str, tuple[Check, str]]] = {
         "host": (_text(255), "host name"),
         "mode": (_choice("copy", "alias"), "how it applies versions"),
         "transport": (_choice("cpu", "cuda"), "buffer transport it will use"),
+        "transport_note": (_text(256), "empty, or why it falls back to the cpu copy"),
     },
     Welcome: {
         "bus": (_BUS, "bus id"),

@@ -10,6 +10,13 @@ Invariants:
   the `Registry`, under one lock and condition.
 * Every wait has a deadline: a publish builds one and spends it on finding a free slot
   and on collecting every ack.
+* CUDA weights (see docs/cuda.md) go into one dedicated CUDA buffer per device, shared
+  over CUDA IPC; the publisher synchronizes its stream before the header calls a slot
+  complete, so a RECEIVE never precedes its bytes. The CPU segment always exists (it
+  holds the header) and has room for every tensor: while a worker that reads the CPU
+  copy is on the bus, each version's CUDA tensors are copied there too (device to host),
+  and a joining one gets the current version copied before its WELCOME. Both happen
+  under `_write_lock`, so no such worker ever sees a slot without its copy.
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ import torch
 import zmq
 
 from . import _config, _lifecycle
-from ._buffers import CpuSegment, collect_garbage, segment_name
+from ._buffers import CpuSegment, CudaBuffer, SharedBuffer, collect_garbage, segment_name
 from ._deadline import Deadline
 from ._errors import ClosedError, ProtocolError, PublishTimeout, ZmqSyncError
 from ._layout import Key, Layout, flatten
@@ -55,6 +62,7 @@ from ._protocol import (
 from ._registry import Registry, WorkerInfo
 from ._security import Authenticator, CurveServer, require_security
 from ._sockets import bind, connect, protect_ipc, sibling_endpoint
+from ._transport import registered
 
 __all__ = ["DEFAULT", "Publish", "Publisher"]
 
@@ -70,6 +78,15 @@ class _Default:
 
 DEFAULT: Any = _Default()
 XPUB_WELCOME = b"\x00zmqsync-subscribed"  # first frame a new SUB gets: its subscription is live
+
+
+def _tensor_device(tensor: torch.Tensor) -> str:
+    """The buffer a tensor goes to: "cpu" or "cuda:<index>" (a seam for CPU-only tests)."""
+    return str(tensor.device)
+
+
+# Makes the buffer of one CUDA device (a seam: tests without a GPU put a fake here).
+_DEVICE_BUFFER: Any = CudaBuffer
 
 
 class Publish:
@@ -190,13 +207,22 @@ class Publisher:
         Deadline(timeout)  # validates
         self._source = weights
         flat = flatten(weights)
-        self._layout = Layout.of(flat)
-        self._devices = {str(t.device) for t in flat.values()}
-        if self._devices != {"cpu"}:
+        placed = {key: _tensor_device(t) for key, t in flat.items()}
+        self._devices = set(placed.values())
+        other = sorted(d for d in self._devices if d != "cpu" and not d.startswith("cuda:"))
+        if other:
             raise NotImplementedError(
-                f"weights on {sorted(self._devices)}: this version publishes CPU tensors only; "
-                "move the model to the CPU (or publish model.to('cpu') state) for now"
+                f"weights on {other}: zmqsync publishes CPU and CUDA tensors; move them "
+                "to one of those"
             )
+        cuda = sorted(self._devices - {"cpu"}, key=lambda d: int(d.split(":")[1]))
+        if len(cuda) > 15:
+            raise ValueError(f"weights on {len(cuda)} GPUs: at most 15 per bus")
+        index = {device: i + 1 for i, device in enumerate(cuda)}
+        self._cuda_devices = cuda
+        self._layout = Layout.of(
+            flat, {key: index[d] for key, d in placed.items() if d != "cpu"} if cuda else None
+        )
         self._address_arg = address
         self._slots = slots
         self._timeout = timeout
@@ -224,6 +250,12 @@ class Publisher:
         self._agent: _Agent | None = None
         self._segment: CpuSegment | None = None
         self._slot_views: list[dict[Key, torch.Tensor]] = []
+        self._cuda: list[SharedBuffer] = []
+        self._cuda_views: list[dict[Key, torch.Tensor]] = []  # per slot: tensors on GPUs
+        self._mirrored: list[bool] = []  # per slot: the CPU segment holds its CUDA tensors
+        self._streams: list[torch.device] = []  # devices to synchronize after a write
+        self._write_lock = threading.Lock()
+        self._notes: dict[str, tuple[str, str]] = {}  # worker id -> (session, transport note)
         self._resources = contextlib.ExitStack()
         self._pid = os.getpid()
 
@@ -259,7 +291,8 @@ class Publisher:
             )
             segment = self._segment
             self._slot_views = [self._layout.views(segment.slot(i)) for i in range(self._slots)]
-            self._write(0, 0, flatten(self._source))
+            self._start_cuda(stack)
+            self._write(0, 0, flatten(self._source), mirror=False)
             self._registry.record(0, 0)
             self._agent = _Agent(self)
             self._agent.start()
@@ -291,7 +324,7 @@ class Publisher:
         if self._agent is not None:
             self._agent.command(b"stop")
         self._resources.close()
-        self._slot_views = []
+        self._slot_views, self._cuda_views = [], []
         log.info("publisher %r closed at version %d", self.name, self._registry.latest)
 
     def __enter__(self) -> Publisher:
@@ -368,12 +401,13 @@ class Publisher:
             elif version <= latest:
                 raise ValueError(f"version {version} is not greater than the last ({latest})")
             slot = self._claim_slot(deadline)
-            self._write(slot, version, flat)
-            with self._cond:
-                self._registry.record(version, slot)
-                members = self._registry.members
-                targets = tuple(members) if workers is None else tuple(w for w in workers)
-                self._counters["publishes"] += 1
+            with self._write_lock:  # a worker reading the CPU copy joins before or after
+                self._write(slot, version, flat, mirror=self._needs_mirror())
+                with self._cond:
+                    self._registry.record(version, slot)
+                    members = self._registry.members
+                    targets = tuple(members) if workers is None else tuple(w for w in workers)
+                    self._counters["publishes"] += 1
             self._agent.command(b"announce %d %d" % (version, slot))  # type: ignore[union-attr]
         handle = Publish(self, version, targets, started)
         log.debug("published v%d into slot %d for %d workers", version, slot, len(targets))
@@ -401,16 +435,72 @@ class Publisher:
             state = "closed" if self._state == "closed" else "not started"
             raise ClosedError(f"Publisher {self.name!r} is {state}; call start() on a new one")
 
-    def _write(self, slot: int, version: int, flat: dict[Key, torch.Tensor]) -> None:
+    def _start_cuda(self, stack: contextlib.ExitStack) -> None:
+        """One dedicated buffer per GPU the weights live on (none for CPU weights)."""
+        for device in self._cuda_devices:
+            buffer = _DEVICE_BUFFER(device, slots=self._slots, slot_bytes=self._layout.slot_bytes)
+            self._cuda.append(stack.enter_context(buffer))
+        if not self._cuda:
+            return
+        self._cuda_views = [
+            {
+                key: view
+                for index, buffer in enumerate(self._cuda, start=1)
+                for key, view in self._layout.views(buffer.slot(slot), index).items()
+            }
+            for slot in range(self._slots)
+        ]
+        self._mirrored = [False] * self._slots
+        self._streams = sorted(
+            {v.device for v in self._cuda_views[0].values() if v.is_cuda}, key=str
+        )
+
+    def _write(
+        self, slot: int, version: int, flat: dict[Key, torch.Tensor], *, mirror: bool
+    ) -> None:
+        """Write `flat` into `slot` under the seqlock; `mirror`: CUDA tensors to the CPU too."""
         assert self._segment is not None
         header = self._segment.header
         views = self._slot_views[slot]
+        gpu = self._cuda_views[slot] if self._cuda_views else {}
         header.begin_write(slot)
         with torch.no_grad():
-            for key, view in views.items():
+            for key, view in gpu.items():  # device to device, queued on the current stream
                 view.copy_(flat[key])
+            for key, view in views.items():
+                if mirror or key not in gpu:
+                    view.copy_(flat[key])
+        for device in self._streams:  # the bytes are in place before the header says so
+            torch.cuda.current_stream(device).synchronize()
         header.end_write(slot, version)
         header.set_latest(version, slot)
+        if gpu:
+            self._mirrored[slot] = mirror
+
+    def _needs_mirror(self) -> bool:
+        """Whether a worker reading the CPU copy of CUDA weights is on the bus."""
+        if not self._cuda:
+            return False
+        with self._cond:
+            return any(m.transport == "cpu" for m in self._registry.members.values())
+
+    def _fill_mirror(self, slot: int) -> None:
+        """Copy `slot`'s CUDA tensors into the CPU segment, once (under `_write_lock`).
+
+        Nobody reads that copy yet: the worker it is for gets its WELCOME afterwards, and
+        while another such worker was on the bus every version was copied already.
+        """
+        if not self._cuda_views or self._mirrored[slot]:
+            return
+        views = self._slot_views[slot]
+        with torch.no_grad():
+            for key, view in self._cuda_views[slot].items():
+                views[key].copy_(view)
+        self._mirrored[slot] = True
+
+    def _buffer_infos(self) -> tuple[Any, ...]:
+        assert self._segment is not None
+        return (self._segment.describe(), *(b.describe() for b in self._cuda))
 
     def _claim_slot(self, deadline: Deadline) -> int:
         with self._cond:
@@ -680,25 +770,43 @@ class _Agent:
         pub = self.pub
         if self._closing is not None:
             raise ProtocolError("the publisher is closing")
-        if hello.transport != "cpu":
-            raise ProtocolError(f"transport {hello.transport} is not offered by this bus")
+        transport, note = registered(hello.transport, hello.transport_note, bool(pub._cuda))
+        hello = dataclasses.replace(hello, transport=transport, transport_note=note)
         self._admit(hello)
-        with pub._cond:
-            session = secrets.token_hex(8)
-            replaced = hello.worker_id in pub._registry.members
-            pub._registry.join(hello, session, time.monotonic())
-            version = pub._registry.latest
-            slot = pub._registry.slot_of(version)
-            pub._counters["handshakes"] += 1
-            pub._cond.notify_all()
+        copy = bool(pub._cuda) and transport == "cpu"  # it reads the CPU copy of CUDA weights
+        with pub._write_lock if copy else contextlib.nullcontext():
+            with pub._cond:
+                session = secrets.token_hex(8)
+                old = pub._registry.members.get(hello.worker_id)
+                pub._registry.join(hello, session, time.monotonic())
+                self._remember_note(hello.worker_id, session, note)
+                version = pub._registry.latest
+                slot = pub._registry.slot_of(version)
+                pub._counters["handshakes"] += 1
+                pub._cond.notify_all()
+            if copy:
+                pub._fill_mirror(slot)
+        if old is None:
+            again = ""
+        elif old.pid != hello.pid:
+            again = " replacing an older process"
+        else:  # the same process: re-joined, or asked for another transport
+            again = " again" if old.transport == transport else f" again, now for {transport}"
         log.info(
             "worker %s joined (pid %d, %s, %s)%s",
             hello.worker_id,
             hello.pid,
             hello.host,
             hello.mode,
-            " replacing an older process" if replaced else "",
+            again,
         )
+        if pub._cuda:
+            log.info(
+                "worker %s reads the %s buffer%s",
+                hello.worker_id,
+                transport,
+                f": {note}" if note else "",
+            )
         assert pub._segment is not None
         return Welcome(
             bus=pub.bus,
@@ -712,9 +820,21 @@ class _Agent:
             events=self.events.getsockopt_string(zmq.LAST_ENDPOINT),
             acks=self.acks.getsockopt_string(zmq.LAST_ENDPOINT),
             tap=self._tap_endpoint(),
-            buffers=(pub._segment.describe(),),
+            buffers=pub._buffer_infos(),
             manifest=pub._layout.specs,
         )
+
+    def _remember_note(self, worker_id: str, session: str, note: str) -> None:
+        """Keep a worker's transport note for STATE (only current members are shown)."""
+        notes = self.pub._notes
+        if len(notes) > 2 * max(len(self.pub._registry.members), 1024):
+            for gone in [w for w in notes if w not in self.pub._registry.members]:
+                del notes[gone]
+        notes[worker_id] = (session, note)
+
+    def _note_of(self, worker_id: str, session: str) -> str:
+        kept = self.pub._notes.get(worker_id)
+        return kept[1] if kept is not None and kept[0] == session else ""
 
     def _tap_endpoint(self) -> str:
         return "" if self.tap is None else self.tap.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -748,6 +868,7 @@ class _Agent:
                     m.transport,
                     m.acked,
                     max(0.0, now - m.last_seen),
+                    self._note_of(m.worker_id, m.session),
                 )
                 for m in pub._registry.members.values()
             )
@@ -762,7 +883,7 @@ class _Agent:
                 heartbeat=pub._heartbeat,
                 tap=self._tap_endpoint(),
                 events=self.events.getsockopt_string(zmq.LAST_ENDPOINT),
-                buffers=(pub._segment.describe(),),
+                buffers=pub._buffer_infos(),
                 manifest=pub._layout.specs,
                 workers=workers,
                 counters=dict(pub._counters),

@@ -16,11 +16,19 @@ The link to the publisher is the ZeroMQ Guide's Clone client:
 
 Only the agent thread touches the sockets. In ``apply="manual"`` mode it only records the
 newest version; the user's thread applies it inside `poll()` and asks the agent to ACK.
+
+Transport (see ``_transport.py`` and docs/cuda.md): the HELLO says which transport the
+worker asks for; after WELCOME `choose_transport` decides with what the bus offers,
+and a worker that cannot map a CUDA buffer after all (GPU not visible, other PID
+namespace, handle refused) sends a second HELLO saying it reads the CPU copy, and why,
+before it applies anything. A CUDA handle is opened only while adopting a WELCOME.
+Whatever reads GPU memory is synchronized before the seqlock check and before an ACK.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import enum
 import logging
 import os
@@ -29,7 +37,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,14 +46,25 @@ import zmq
 
 from . import _config, _lifecycle
 from ._apply import Target
-from ._buffers import CpuAttachment
+from ._buffers import CpuAttachment, CudaAttachment
+from ._buffers import cuda as _cuda
 from ._deadline import Deadline
 from ._errors import ClosedError, ConnectTimeout, ProtocolError, ZmqSyncError
-from ._layout import Key, Layout
+from ._layout import Key, Layout, flatten
 from ._protocol import Ack, Bye, Error, Heartbeat, Hello, Receive, Stop, Welcome, decode, encode
 from ._publisher import DEFAULT, XPUB_WELCOME
 from ._security import CurveClient, client_from_env
 from ._sockets import connect, request, resolve_endpoint
+from ._transport import (
+    Decision,
+    Facts,
+    choose_transport,
+    initial_transport,
+    ipc_disabled,
+    local_index,
+    pid_namespace,
+    registered,
+)
 
 __all__ = ["Reading", "Subscriber"]
 
@@ -143,7 +162,10 @@ class Subscriber:
         self._held: tuple[int, int] | None = None  # (slot, seqlock counter) aliased now
         self._target: Target | None = None
         self._attachment: CpuAttachment | None = None
+        self._gpus: list[CudaAttachment] = []
         self._views: list[dict[Key, torch.Tensor]] = []
+        self._sync_devices: tuple[torch.device, ...] = ()  # GPUs the apply reads or writes
+        self._transport = Decision("", "")
         self._agent: _Agent | None = None
         self.counters: dict[str, int] = {"applied": 0, "rejected": 0, "foreign": 0, "gaps": 0}
 
@@ -188,6 +210,8 @@ class Subscriber:
             self._agent.stop()
         if self._attachment is not None:
             self._attachment.close()
+        for gpu in self._gpus:
+            gpu.close()
         with self._cond:
             self._cond.notify_all()
 
@@ -218,6 +242,16 @@ class Subscriber:
     def connected(self) -> bool:
         """False while the publisher is unreachable (the last version stays in use)."""
         return self._link == _Link.ACTIVE
+
+    @property
+    def transport(self) -> str:
+        """How this worker reads the weights: "cuda" (CUDA IPC) or "cpu" (the CPU segment)."""
+        return self._transport.transport
+
+    @property
+    def transport_note(self) -> str:
+        """Why it reads the CPU copy of CUDA weights (or why the bus is CPU-only), or ""."""
+        return self._transport.reason
 
     @property
     def stopped(self) -> bool:
@@ -292,11 +326,13 @@ class Subscriber:
         """
         with self._lock:
             held, version, attachment = self._held, self._version, self._attachment
+            devices = self._sync_devices
         reading = Reading(version)
         try:
             yield reading
         finally:
             if self.mode == "alias" and held is not None and attachment is not None:
+                _synchronize(devices)  # the block's GPU work has read the weights by now
                 reading.torn = not attachment.header.read_valid(*held)
 
     # --- internals -----------------------------------------------------------------
@@ -338,10 +374,12 @@ class Subscriber:
                     continue
                 if self.mode == "copy":
                     target.copy_from(views[slot])
+                    _synchronize(self._sync_devices)  # GPU copies have read the slot
                     if not header.read_valid(slot, counter):
                         continue
                 else:
                     target.alias_to(views[slot])
+                    _synchronize(self._sync_devices)  # no queued work reads the old slot
                 with self._cond:
                     self._held = (slot, counter) if self.mode == "alias" else None
                     self._version, self._version_bus = version, offer.bus
@@ -352,28 +390,136 @@ class Subscriber:
                 return version
         raise ZmqSyncError(f"could not read a whole version after {_APPLY_ATTEMPTS} attempts")
 
-    def _adopt(self, welcome: Welcome) -> None:
-        """Map the buffers a WELCOME names and bind the model to its layout."""
+    def _prefers(self) -> str:
+        """Where this worker computes: "cuda", "cpu", or "any" (no model, no device)."""
+        if self.model is not None:
+            return "cuda" if any(t.is_cuda for t in flatten(self.model).values()) else "cpu"
+        if self._device is not None:
+            return "cuda" if torch.device(self._device).type == "cuda" else "cpu"
+        return "any"
+
+    def _facts(self) -> Facts:
+        return Facts(
+            prefers=self._prefers(),
+            cuda_available=_cuda.cuda_available(),
+            ipc_disabled=ipc_disabled(os.environ),
+        )
+
+    def _initial_transport(self) -> Decision:
+        facts = self._facts()
+        return initial_transport(facts.prefers, facts.cuda_available, facts.ipc_disabled)
+
+    def _choose(self, welcome: Welcome) -> tuple[Decision, dict[int, CudaAttachment]]:
+        """Decide the transport for this bus; open its CUDA handles if it is "cuda"."""
+        gpus = [(i, b) for i, b in enumerate(welcome.buffers) if b.kind == "cuda"]
+        facts = dataclasses.replace(self._facts(), publisher_cuda=bool(gpus))
+        wanted = initial_transport(facts.prefers, facts.cuda_available, facts.ipc_disabled)
+        if not gpus or wanted.transport == "cpu":
+            return choose_transport(facts), {}
+        visible, pid_ns = _cuda.visible_uuids(), pid_namespace()
+        mapped = {gpu.handle: gpu for gpu in self._gpus}  # same bus again: no new open
+        opened: dict[int, CudaAttachment] = {}
+        for index, info in gpus:
+            local = local_index(info.device_uuid, visible)
+            facts = dataclasses.replace(
+                facts,
+                has_handle=bool(info.handle),
+                ipc_note=info.ipc_note,
+                device_uuid=info.device_uuid,
+                local_index=local,
+                pid_ns=pid_ns,
+                publisher_pid_ns=info.pid_ns,
+            )
+            decision = choose_transport(facts)
+            if decision.transport == "cuda":
+                try:
+                    opened[index] = mapped.get(info.handle) or CudaAttachment.attach(
+                        info,
+                        slots=welcome.slots,
+                        slot_bytes=welcome.slot_bytes,
+                        device_index=local,
+                    )
+                except _cuda.IpcOpenFailed as exc:
+                    decision = choose_transport(dataclasses.replace(facts, open_error=str(exc)))
+            if decision.transport != "cuda":
+                self._close_unused(opened.values())
+                return decision, {}
+        return decision, opened
+
+    def _close_unused(self, gpus: Iterable[CudaAttachment]) -> None:
+        """Close attachments that are not the ones in use (those stay mapped)."""
+        for gpu in gpus:
+            if all(gpu is not used for used in self._gpus):
+                gpu.close()
+
+    def _adopt(
+        self, welcome: Welcome, hello: Hello, forced: Decision | None = None
+    ) -> Decision | None:
+        """Map the buffers a WELCOME names and bind the model to its layout.
+
+        Returns None once adopted, or, without adopting anything, the transport to
+        register in a second HELLO when the one `hello` registered cannot be used here
+        (a CUDA handle that cannot be opened: read the CPU copy instead). `forced` is
+        that decision, for the WELCOME that answers the second HELLO.
+        """
         info = welcome.buffers[0]
         if info.kind != "cpu":
             raise ProtocolError(f"buffer kind {info.kind} is not supported by this subscriber")
+        if any(b.kind != "cuda" for b in welcome.buffers[1:]):
+            raise ProtocolError("only the first buffer may be a cpu segment")
         attachment = CpuAttachment.attach(
             info, slots=welcome.slots, slot_bytes=welcome.slot_bytes, shm_dir=self._shm_dir
         )
+        gpus: dict[int, CudaAttachment] = {}
         try:
             layout = Layout(welcome.manifest, welcome.slot_bytes)
+            decision, gpus = (forced, {}) if forced is not None else self._choose(welcome)
+            expected = registered(hello.transport, hello.transport_note, len(welcome.buffers) > 1)
+            if forced is None and decision != expected:
+                attachment.close()
+                return decision
+            views = [_slot_views(layout, attachment, gpus, i) for i in range(welcome.slots)]
             target = self._target
             if target is None or welcome.bus != self._bus:
-                target = Target(self.model, layout, self.mode, self._device)
-            views = [layout.views(attachment.slot(i)) for i in range(welcome.slots)]
+                where = {key: view.device for key, view in views[0].items()}
+                target = Target(self.model, layout, self.mode, self._device, where)
         except BaseException:
             attachment.close()
+            self._close_unused(gpus.values())
             raise
+        devices = {t.device for t in (*views[0].values(), *target.tensors.values()) if t.is_cuda}
         with self._apply_lock:
             old, self._attachment = self._attachment, attachment
+            old_gpus, self._gpus = self._gpus, list(gpus.values())
             self._views, self._target, self._bus = views, target, welcome.bus
+            self._sync_devices = tuple(sorted(devices, key=str))
+            self._transport = decision
         if old is not None:
             old.close()
+        for gpu in old_gpus:
+            if all(gpu is not kept for kept in gpus.values()):
+                gpu.close()
+        if decision.reason:
+            level = logging.WARNING if forced is not None else logging.INFO
+            log.log(
+                level, "subscriber %s reads the CPU buffer: %s", self.worker_id, decision.reason
+            )
+        return None
+
+
+def _slot_views(
+    layout: Layout, cpu: CpuAttachment, gpus: dict[int, CudaAttachment], slot: int
+) -> dict[Key, torch.Tensor]:
+    """Every tensor of `slot`: from its CUDA buffer if mapped, else from the CPU segment."""
+    views = layout.views(cpu.slot(slot))
+    for index, gpu in gpus.items():
+        views.update(layout.views(gpu.slot(slot), index))
+    return views
+
+
+def _synchronize(devices: tuple[torch.device, ...]) -> None:
+    for device in devices:
+        torch.cuda.synchronize(device)
 
 
 class _Agent:
@@ -458,34 +604,26 @@ class _Agent:
 
     def _handshake(self, deadline: Deadline, attempts: int) -> None:
         sub = self.sub
-        hello = Hello("", sub.worker_id, os.getpid(), socket.gethostname(), sub.mode, "cpu")
-        while True:
-            reply = request(
-                self.ctx,
-                sub.address,
-                hello,
-                deadline=deadline,
-                attempts=attempts,
-                secure=sub._secure,
-            )
-            if not (isinstance(reply, Error) and reply.reason.startswith("busy:")):
-                break
-            if deadline.expired():  # throttled during a HELLO storm: retry until the deadline
-                break
-            time.sleep(min(0.05, deadline.wait_s(0.05) or 0.0))
-        if isinstance(reply, Error):
-            raise ProtocolError(f"the publisher at {sub.address} refused us: {reply.reason}")
-        if not isinstance(reply, Welcome):
-            raise ProtocolError(f"expected WELCOME, got {reply.TYPE}")
-        events, acks = (
-            resolve_endpoint(sub.address, reply.events),
-            resolve_endpoint(sub.address, reply.acks),
+        transport, note = sub._initial_transport()
+        hello = Hello(
+            "", sub.worker_id, os.getpid(), socket.gethostname(), sub.mode, transport, note
         )
-        sub._adopt(reply)  # map and check the buffers first: a hostile WELCOME stops here
+        reply = self._request_welcome(hello, deadline, attempts)
+        # map and check the buffers first: a hostile WELCOME stops here
+        fallback = sub._adopt(reply, hello)
+        if fallback is not None:  # what the HELLO asked for cannot work here: say why
+            hello = dataclasses.replace(
+                hello, transport=fallback.transport, transport_note=fallback.reason
+            )
+            reply = self._request_welcome(hello, deadline, attempts)
+            sub._adopt(reply, hello, forced=fallback)
+        events = resolve_endpoint(sub.address, reply.events)
         self._subscribe(events, deadline)
         if self.acks is not None:
             self.acks.close()
-        self.acks = connect(self.ctx, zmq.PUSH, acks, self.sub._secure)
+        self.acks = connect(
+            self.ctx, zmq.PUSH, resolve_endpoint(sub.address, reply.acks), sub._secure
+        )
         self.acks.setsockopt(zmq.SNDHWM, 10_000)
         self.session, self.last_seq, self.heartbeat = reply.session, reply.seq, reply.heartbeat
         self.last_heard = time.monotonic()
@@ -505,6 +643,32 @@ class _Agent:
             applied = sub._version  # re-joined the same bus: already computing with it
         if applied is not None:
             self._ack(applied)
+
+    def _request_welcome(self, hello: Hello, deadline: Deadline, attempts: int) -> Welcome:
+        """HELLO -> WELCOME (Lazy Pirate), retried while the publisher says it is busy."""
+        sub = self.sub
+        while True:
+            reply = request(
+                self.ctx,
+                sub.address,
+                hello,
+                deadline=deadline,
+                attempts=attempts,
+                secure=sub._secure,
+            )
+            if not (isinstance(reply, Error) and reply.reason.startswith("busy:")):
+                break
+            if deadline.expired():  # throttled during a HELLO storm: retry until the deadline
+                break
+            time.sleep(min(0.05, deadline.wait_s(0.05) or 0.0))
+        if isinstance(reply, Error):
+            raise ProtocolError(f"the publisher at {sub.address} refused us: {reply.reason}")
+        if not isinstance(reply, Welcome):
+            raise ProtocolError(f"expected WELCOME, got {reply.TYPE}")
+        # endpoints first: a WELCOME pointing elsewhere is refused before anything is mapped
+        resolve_endpoint(sub.address, reply.events)
+        resolve_endpoint(sub.address, reply.acks)
+        return reply
 
     def _subscribe(self, endpoint: str, deadline: Deadline) -> None:
         """Connect SUB and wait until the publisher confirms the subscription is live."""

@@ -2,12 +2,15 @@
 
 from .base import AttachedBuffer, SharedBuffer
 from .cpu import CpuAttachment, CpuSegment, collect_garbage, segment_name
+from .cuda import CudaAttachment, CudaBuffer
 from .header import Header
 
 __all__ = [
     "AttachedBuffer",
     "CpuAttachment",
     "CpuSegment",
+    "CudaAttachment",
+    "CudaBuffer",
     "Header",
     "SharedBuffer",
     "collect_garbage",
