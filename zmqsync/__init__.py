@@ -24,6 +24,7 @@ from ._publisher import Publish, Publisher
 from ._registry import WorkerInfo
 from ._security import CurveClient, CurveServer, curve_keypair
 from ._subscriber import Reading, Subscriber
+from .relay import Relay, RelayRoot
 
 __version__ = "0.1.0"
 
@@ -40,6 +41,8 @@ __all__ = [
     "Publisher",
     "PublishTimeout",
     "Reading",
+    "Relay",
+    "RelayRoot",
     "SharedMemoryFull",
     "Subscriber",
     "WorkerInfo",

@@ -117,6 +117,7 @@ class BenchConfig:
     torchrl: bool = True
     torchrl_max_workers: int = 64
     torchrl_start_method: str = "forkserver"
+    torchrl_many_max_workers: int = 16  # the 2,000-tensor model costs torchrl ~0.2 s/worker
     naive: bool = True
     late_join: str | None = "1G"
     late_join_rounds: int = 15
@@ -124,7 +125,7 @@ class BenchConfig:
     volume_budget: int = 24 * GiB  # bytes copied per phase (caps iterations)
     naive_volume_cap: int = 8 * GiB  # bytes moved per naive publish
     torchrl_volume_cap: int = 8 * GiB  # bytes copied per torchrl "own" send
-    phase_seconds: float = 8.0  # stop measuring a phase after this, once min_iters are in
+    phase_seconds: float = 5.0  # stop measuring a phase after this, once min_iters are in
     timeout: float = 120.0  # deadline of every single operation (s)
     worker_threads: int | None = None  # torch threads in workers (None: torch's default)
     out: Path = Path("zmqsync-bench")
@@ -146,6 +147,10 @@ QUICK = BenchConfig(
 
 class BenchError(Exception):
     """One phase of the benchmark failed (recorded in its row; the run goes on)."""
+
+
+class SourceChanged(Exception):
+    """zmqsync's sources changed during the run: the results would mix two versions."""
 
 
 # --- statistics ---------------------------------------------------------------------
@@ -245,6 +250,7 @@ class Results:
     started: float = field(default_factory=time.time)
     seconds: float = 0.0
     interrupted: bool = False
+    aborted: str = ""
     command: str = ""
 
     def row(self, n: int, size: str, mode: str) -> Row | None:
@@ -261,6 +267,7 @@ class Results:
             "started": self.started,
             "seconds": self.seconds,
             "interrupted": self.interrupted,
+            "aborted": self.aborted,
             "rows": [{**r.flat(), "samples": r.samples} for r in self.rows],
             "late_join": self.late_join,
             "torchrl_runs": self.torchrl_runs,
@@ -274,6 +281,7 @@ class Results:
         res.command = data.get("command", "")
         res.started, res.seconds = data.get("started", 0.0), data.get("seconds", 0.0)
         res.interrupted = data.get("interrupted", False)
+        res.aborted = data.get("aborted", "")
         res.rows = [Row(**{k: v for k, v in r.items() if k in names}) for r in data["rows"]]
         res.late_join = data.get("late_join", {})
         res.torchrl_runs = data.get("torchrl_runs", [])
@@ -328,7 +336,7 @@ def describe_machine() -> dict[str, Any]:
         changed = sorted(line[3:] for line in dirty if line.strip())
         git = head + (f" + uncommitted changes to {', '.join(changed)}" if changed else "")
     return {
-        "git": git,
+        "git": os.environ.get("ZMQSYNC_BENCH_REVISION") or git,
         "cpu": cpu,
         "nproc": os.cpu_count(),
         "affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
@@ -443,8 +451,11 @@ class _Worker:
 class Pool:
     """Worker processes started once and reused for every point; grows with N."""
 
-    def __init__(self, env: dict[str, str], log_dir: Path, timeout: float) -> None:
+    def __init__(
+        self, env: dict[str, str], log_dir: Path, timeout: float, source: str = ""
+    ) -> None:
         self.env, self.log_dir, self.timeout = env, log_dir, timeout
+        self.source = source  # the library digest every worker must have imported
         self.workers: list[_Worker] = []
 
     def grow(self, n: int) -> float:
@@ -452,10 +463,18 @@ class Pool:
         t0 = time.perf_counter()
         new = [self._spawn(i) for i in range(len(self.workers), n)]
         deadline = time.monotonic() + max(self.timeout, 5.0 * len(new))
+        self.workers.extend(new)  # closed with the pool even if one fails below
         for w in new:
-            w.wait("ready", deadline)
-        self.workers.extend(new)
+            self._check(w, w.wait("ready", deadline))
         return time.perf_counter() - t0
+
+    def _check(self, w: _Worker, ready: dict[str, Any]) -> None:
+        if self.source and ready.get("source") != self.source:
+            raise SourceChanged(
+                f"worker {w.index} imported zmqsync sources {ready.get('source')}, the harness "
+                f"{self.source}: the library was edited during the run; run the benchmark "
+                "on a tree nobody edits (e.g. a `git worktree` or `git archive` copy)"
+            )
 
     def _spawn(self, index: int) -> _Worker:
         return _Worker(index, self.env, self.log_dir / f"worker-{index}.log")
@@ -485,7 +504,8 @@ class Pool:
             except BenchError:
                 w.kill()
                 self.workers[i] = self._spawn(i)
-                self.workers[i].wait("ready", time.monotonic() + self.timeout)
+                ready = self.workers[i].wait("ready", time.monotonic() + self.timeout)
+                self._check(self.workers[i], ready)
 
     def close(self) -> None:
         deadline = time.monotonic() + 10
@@ -665,7 +685,10 @@ class _Run:
         if cfg.worker_threads:
             env["ZMQSYNC_BENCH_THREADS"] = str(cfg.worker_threads)
         self.env = env
-        self.pool = Pool(env, self.log_dir, cfg.timeout)
+        from ._bench_worker import source_digest
+
+        self.source = source_digest()
+        self.pool = Pool(env, self.log_dir, cfg.timeout, self.source)
         self.ctx: zmq.Context[Any] = zmq.Context()
         self.torchrl_proc: subprocess.Popen[str] | None = None
         self.publisher: Any = None
@@ -838,12 +861,13 @@ class _Run:
         s = _padded(size)
         iters, _ = _iters(self.cfg, size, 3 * (n + 1) * s)
         warmup = 1
+        stop_cfg = dataclasses.replace(self.cfg, min_iters=min(3, self.cfg.min_iters))
         trainer = make_plain_model(size.kind, size.target)
         self.pool.call(n, {"cmd": "model", "kind": size.kind, "nbytes": size.target})
         self.pool.call(n, {"cmd": "respond", "events": fan.events, "acks": fan.acks})
         fan.connected(n, timeout)
         lat: list[float] = []
-        stop = _Stopwatch(self.cfg, warmup)
+        stop = _Stopwatch(stop_cfg, warmup)
         for i in range(warmup + iters):
             if stop.enough(i):
                 break
@@ -922,7 +946,12 @@ class _Run:
             s = _padded(size)
             for variant in ("collector", "own"):
                 reason = ""
-                if variant == "own" and (n + 1) * s > cfg.torchrl_volume_cap:
+                if size.kind == "many" and n > cfg.torchrl_many_max_workers:
+                    reason = (
+                        f"skipped: above {cfg.torchrl_many_max_workers} workers "
+                        "(--torchrl-many-max-workers): seconds per send, minutes to connect"
+                    )
+                elif variant == "own" and (n + 1) * s > cfg.torchrl_volume_cap:
                     reason = (
                         f"skipped: copies {_fmt_gib((n + 1) * s)} per send "
                         f"(cap {_fmt_gib(cfg.torchrl_volume_cap)})"
@@ -943,7 +972,7 @@ class _Run:
                         "variant": variant,
                         "iters": iters,
                         "warmup": 1,
-                        "min_iters": cfg.min_iters,
+                        "min_iters": min(3, cfg.min_iters),
                         "max_seconds": cfg.phase_seconds,
                     }
                 )
@@ -973,14 +1002,17 @@ class _Run:
             "start_method": self.cfg.torchrl_start_method,
             "connect_timeout": self.cfg.timeout,
         }
-        # Deadline: start-up, then every send at a pessimistic 1 GB/s per copy.
-        budget = 60.0 + 3.0 * n
-        for p in points:
-            s = _padded(SIZES[p["key"]])
-            per = 0.05 + ((n + 1) * s if p["variant"] == "own" else s) / 1e9
-            budget += 10.0 + (p["iters"] + p["warmup"]) * per * 3 + self.cfg.timeout / 4
+        # Deadline per point (a dead receiver blocks send() forever): receivers connect,
+        # then sends for 3 × phase_seconds at most, the last one at a pessimistic
+        # 0.5 GB/s per copy; the clock restarts at each point's result line.
+        biggest = max(_padded(SIZES[p["key"]]) for p in points)
+        per_point = (
+            self.cfg.timeout + 30.0 + 4 * self.cfg.phase_seconds + 2 * (n + 1) * biggest / 1e9
+        )
+        budget = 60.0 + per_point
         log_path = self.log_dir / f"torchrl-{n}.log"
-        run: dict[str, Any] = {"workers": n, "status": "ok", "deadline_s": budget}
+        run: dict[str, Any] = {"workers": n, "status": "ok", "deadline_per_point_s": per_point}
+        t_run = time.perf_counter()
         done: set[tuple[str, str]] = set()
         with open(log_path, "w") as err:
             proc = self.torchrl_proc = subprocess.Popen(
@@ -1007,7 +1039,7 @@ class _Run:
                     try:
                         line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
                     except queue.Empty:
-                        run["status"] = f"killed after {budget:.0f} s (deadline)"
+                        run["status"] = f"killed: no result within {per_point:.0f} s (deadline)"
                         break
                     if line is None:
                         break
@@ -1015,13 +1047,19 @@ class _Run:
                         continue
                     rec = json.loads(line)
                     if rec.get("event") == "started":
-                        run.update(start_s=rec["seconds"], start_method=rec["start_method"])
+                        run.update(start_method=rec["start_method"], torchrl=rec["torchrl"])
                     elif rec.get("event") == "point":
+                        deadline = time.monotonic() + per_point  # the next point's turn
                         done.add((rec["key"], rec["variant"]))
+                        key = f"{rec['key']}/{rec['variant']}"
+                        if "error" in rec:
+                            self.set_torchrl(
+                                n, rec["key"], rec["variant"], f"error: {rec['error']}"
+                            )
+                            run.setdefault("errors", {})[key] = rec["error"]
+                            continue
                         self.set_torchrl(n, rec["key"], rec["variant"], "ok", rec["lat"])
-                        run.setdefault("connect_s", {})[f"{rec['key']}/{rec['variant']}"] = rec[
-                            "connect_s"
-                        ]
+                        run.setdefault("receivers_start_s", {})[key] = rec["start_s"]
             finally:
                 if proc.poll() is None:
                     with contextlib.suppress(ProcessLookupError):
@@ -1042,6 +1080,7 @@ class _Run:
             if (p["key"], p["variant"]) not in done:
                 why = run["status"] if run["status"] != "ok" else "no result"
                 self.set_torchrl(n, p["key"], p["variant"], f"error: {why}"[:300])
+        run["seconds"] = time.perf_counter() - t_run
         self.results.torchrl_runs.append(run)
         self.advance()
 
@@ -1184,6 +1223,10 @@ def run_bench(cfg: BenchConfig, console: Any = None, command: str = "") -> Resul
         cfg = dataclasses.replace(cfg, torchrl=False)
     conf = {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(cfg).items()}
     results = Results(config=conf, machine=describe_machine())
+    from ._bench_worker import source_digest
+    from ._publisher import Publisher  # noqa: F401 - the code the digest describes
+
+    results.machine["source_digest"] = source_digest()
     results.command = command
     run = _Run(cfg, results, console)
     t0 = time.perf_counter()
@@ -1208,6 +1251,10 @@ def run_bench(cfg: BenchConfig, console: Any = None, command: str = "") -> Resul
                     run.torchrl_for(n)
             if cfg.late_join:
                 run.late_join(cfg.late_join)
+    except SourceChanged as exc:
+        results.aborted = str(exc)
+        if console is not None:
+            console.print(f"[red]aborted[/]: {exc}")
     except KeyboardInterrupt as exc:
         interrupted = exc
         results.interrupted = True
@@ -1683,7 +1730,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--phase-seconds",
         type=float,
         default=None,
-        help="stop measuring a point after this long once --min-iters are in (default 8)",
+        help="stop measuring a point after this long once --min-iters are in (default 5)",
     )
     p.add_argument("--no-torchrl", action="store_true", help="skip the torchrl baseline")
     p.add_argument(
@@ -1691,6 +1738,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="run torchrl only up to this N (default: every N)",
+    )
+    p.add_argument(
+        "--torchrl-many-max-workers",
+        type=int,
+        default=None,
+        help="run torchrl on the 2,000-tensor model only up to this N (default 16)",
     )
     p.add_argument("--no-naive", action="store_true", help="skip the pickled state_dict baseline")
     p.add_argument(
@@ -1728,7 +1781,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     cfg = QUICK if args.quick else BenchConfig()
     changes: dict[str, Any] = {}
     names = ("workers", "sizes", "modes", "iters_scale", "min_iters", "phase_seconds")
-    for name in (*names, "worker_threads", "timeout", "out", "torchrl_max_workers"):
+    more = ("worker_threads", "timeout", "out", "torchrl_max_workers", "torchrl_many_max_workers")
+    for name in (*names, *more):
         if getattr(args, name, None) is not None:
             changes[name] = getattr(args, name)
     if args.no_torchrl:

@@ -28,6 +28,7 @@ A pool worker exits when its stdin closes and, on Linux, when its parent dies
 from __future__ import annotations
 
 import contextlib
+import copy
 import ctypes
 import gc
 import json
@@ -35,6 +36,7 @@ import math
 import mmap
 import os
 import pickle
+import queue
 import signal
 import sys
 import threading
@@ -373,7 +375,8 @@ class _PoolWorker:
         return read_memory("self", cmd.get("under"))
 
     def serve(self) -> int:
-        print(json.dumps({"event": "ready", "pid": os.getpid()}), flush=True)
+        ready = {"event": "ready", "pid": os.getpid(), "source": source_digest()}
+        print(json.dumps(ready), flush=True)
         for line in sys.stdin:
             if not line.strip():
                 continue
@@ -393,12 +396,35 @@ class _PoolWorker:
         return 0
 
 
+def source_digest() -> str:
+    """A digest of zmqsync's library sources on disk (the bench's own files excluded).
+
+    The harness compares every worker's with its own: a library edited while a run is
+    going would mix two versions of the code in one table.
+    """
+    import hashlib
+
+    root = os.path.dirname(os.path.abspath(__file__))
+    h = hashlib.sha1()
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
+        for name in sorted(filenames):
+            if name.endswith(".py") and not name.startswith("_bench"):
+                path = os.path.join(dirpath, name)
+                h.update(os.path.relpath(path, root).encode())
+                with open(path, "rb") as f:
+                    h.update(f.read())
+    return h.hexdigest()[:12]
+
+
 def pool_main(argv: list[str]) -> int:
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the harness decides when we stop
     threads = os.environ.get("ZMQSYNC_BENCH_THREADS")
     if threads:
         torch.set_num_threads(int(threads))
+    from . import _subscriber  # noqa: F401 - imported now, so the digest below is its code
+
     index = int(argv[argv.index("--index") + 1])
     return _PoolWorker(index).serve()
 
@@ -406,41 +432,56 @@ def pool_main(argv: list[str]) -> int:
 # --- torchrl --------------------------------------------------------------------------
 
 
+def _receiver_view(scheme: Any, worker_idx: int) -> Any:
+    """A copy of a sender's scheme that holds only worker `worker_idx`'s queues.
+
+    torchrl hands every worker the whole scheme: 3 queues per worker, so 6·N file
+    descriptors per worker. A forkserver passes at most ~250 descriptors to a new
+    process (SCM_RIGHTS), so 64 receivers cannot start that way; each gets this copy
+    instead. Only the plumbing of process start differs: the receiver uses exactly its
+    own queues either way, and the sender's `send()` is torchrl's, untouched.
+    """
+    view = copy.copy(scheme)  # __getstate__: flags reset, as pickling for a worker does
+    for attr in ("_instruction_queues", "_ack_queues", "_weight_init_queues"):
+        setattr(view, attr, {worker_idx: getattr(scheme, attr)[worker_idx]})
+    transport = copy.copy(scheme._shared_transport)
+    transport._weight_queues = {worker_idx: scheme._weight_init_queues[worker_idx]}
+    transport._params_map = {worker_idx: scheme._shared_transport._params_map[worker_idx]}
+    view._shared_transport = transport
+    view._is_shutdown = True  # this copy's __del__ must not close the sender's queues
+    return view
+
+
 def _torchrl_receiver(
-    schemes: list[Any], specs: list[dict[str, Any]], worker_idx: int, control: Any, replies: Any
+    scheme: Any, kind: str, nbytes: int, worker_idx: int, ready: Any, stop: Any
 ) -> None:
-    """One torchrl worker: connects scheme k when told, as a collector worker would."""
+    """One torchrl worker, as a collector's: init_on_receiver, connect, then serve."""
     _die_with_parent()
-    models: dict[int, FlatModel] = {}
-    while True:
-        msg = control.get()
-        if msg is None:
-            break
-        op, k = msg
-        try:
-            if op == "connect":
-                model, _ = make_model(specs[k]["kind"], specs[k]["nbytes"], fill=False)
-                schemes[k].init_on_receiver(model_id="policy", model=model, worker_idx=worker_idx)
-                schemes[k].connect(worker_idx=worker_idx)
-                models[k] = model
-            elif op == "release":
-                schemes[k].shutdown()
-                models.pop(k, None)
-                _trim()
-            replies.put((worker_idx, op, k, ""))
-        except Exception as exc:
-            replies.put((worker_idx, op, k, f"{type(exc).__name__}: {exc}"))
-    for k in list(models):
-        with contextlib.suppress(Exception):
-            schemes[k].shutdown()
+    try:
+        scheme._is_shutdown = False
+        model, _ = make_model(kind, nbytes, fill=False)
+        scheme.init_on_receiver(model_id="policy", model=model, worker_idx=worker_idx)
+        scheme.connect(worker_idx=worker_idx)  # starts torchrl's background receiver
+        ready.put((worker_idx, ""))
+    except Exception as exc:
+        ready.put((worker_idx, f"{type(exc).__name__}: {exc}"))
+        return
+    stop.wait()
+    scheme.shutdown()
 
 
 def torchrl_main(argv: list[str]) -> int:
-    """Sender side; `argv[0]` is a JSON spec: workers, start_method, points."""
+    """Sender side; `argv[0]` is a JSON spec: workers, start_method, points.
+
+    One generation of receivers per point (size × variant): each point's scheme is
+    created with ``init_on_sender`` before its receivers start and ``connect()``-ed
+    after, as a collector does; then sync ``send()`` is timed.
+    """
     _die_with_parent()
     spec = json.loads(argv[0])
     n = int(spec["workers"])
     points: list[dict[str, Any]] = spec["points"]
+    timeout = float(spec.get("connect_timeout", 300))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         import torchrl
@@ -453,74 +494,60 @@ def torchrl_main(argv: list[str]) -> int:
     ctx = _get_mp_ctx(spec.get("start_method") or None)
     if ctx.get_start_method() == "forkserver":
         ctx.set_forkserver_preload(["torch", "torchrl", "zmqsync._bench_worker"])
+    emit(event="started", start_method=ctx.get_start_method(), torchrl=torchrl.__version__)
     cpu = torch.device("cpu")
-    schemes: list[Any] = []
-    trainers: list[FlatModel | None] = []
-    keep: list[Any] = []
     for point in points:
-        trainer, _ = make_model(point["kind"], point["nbytes"], fill=True, grad=True)
+        kind, nbytes = point["kind"], point["nbytes"]
+        trainer, _ = make_model(kind, nbytes, fill=True, grad=True)
         scheme = SharedMemWeightSyncScheme()
         if point["variant"] == "collector":
             # What a collector does with a CPU policy: the policy's own tensors become
             # the shared buffer (moved into shared memory in place).
             scheme.init_on_sender(model_id="policy", model=trainer, devices=[cpu] * n, ctx=ctx)
+            own = None
         else:
             # The policy the collector holds is not the model being trained (a policy
             # factory, or a trainer on another device): the scheme owns a buffer and
             # send() copies the trainer's weights into it.
-            own, _ = make_model(point["kind"], point["nbytes"], fill=True)
-            keep.append(own)
+            own, _ = make_model(kind, nbytes, fill=True)
             scheme.init_on_sender(model_id="policy", model=own, devices=[cpu] * n, ctx=ctx)
-        schemes.append(scheme)
-        trainers.append(trainer)
-    specs = [{"kind": p["kind"], "nbytes": p["nbytes"]} for p in points]
-    controls = [ctx.Queue() for _ in range(n)]
-    replies = ctx.Queue()
-    t0 = time.perf_counter()
-    procs = [
-        ctx.Process(
-            target=_torchrl_receiver,
-            args=(schemes, specs, i, controls[i], replies),
-            daemon=True,
-        )
-        for i in range(n)
-    ]
-    for proc in procs:
-        proc.start()
-    emit(
-        event="started",
-        seconds=time.perf_counter() - t0,
-        start_method=ctx.get_start_method(),
-        torchrl=torchrl.__version__,
-    )
-
-    def everyone(op: str, k: int, timeout: float) -> None:
-        for q in controls:
-            q.put((op, k))
-        deadline = time.monotonic() + timeout
-        for _ in range(n):
-            _, _, _, error = replies.get(timeout=max(0.1, deadline - time.monotonic()))
-            if error:
-                raise RuntimeError(f"receiver {op} failed: {error}")
-
-    try:
-        for k, point in enumerate(points):
-            t1 = time.perf_counter()
-            scheme = schemes[k]
+        ready, stop = ctx.Queue(), ctx.Event()
+        t0 = time.perf_counter()
+        views = [_receiver_view(scheme, i) for i in range(n)]
+        procs = [
+            ctx.Process(
+                target=_torchrl_receiver,
+                args=(views[i], kind, nbytes, i, ready, stop),
+                daemon=True,
+            )
+            for i in range(n)
+        ]
+        failed = ""
+        try:
+            for proc in procs:
+                proc.start()
             scheme.connect()  # puts the shared buffer on every worker's queue
-            everyone("connect", k, timeout=float(spec.get("connect_timeout", 300)))
-            connect_s = time.perf_counter() - t1
-            current = trainers[k]
+            deadline = time.monotonic() + timeout
+            for got in range(n):
+                try:
+                    _, error = ready.get(timeout=max(0.1, deadline - time.monotonic()))
+                except queue.Empty:
+                    raise RuntimeError(
+                        f"only {got} of {n} receivers connected within {timeout:.0f} s"
+                    ) from None
+                if error:
+                    raise RuntimeError(f"a torchrl receiver failed: {error}")
+            start_s = time.perf_counter() - t0
             lat: list[float] = []
-            start = time.perf_counter()
+            begin = time.perf_counter()
             for i in range(point["warmup"] + point["iters"]):
-                if (
-                    i >= point["warmup"] + point["min_iters"]
-                    and time.perf_counter() - start > point["max_seconds"]
+                samples, spent = i - point["warmup"], time.perf_counter() - begin
+                if (samples >= point["min_iters"] and spent > point["max_seconds"]) or (
+                    samples >= 1 and spent > 3 * point["max_seconds"]
                 ):
                     break
                 t = time.perf_counter()
-                scheme.send(weights=current)  # collector.update_policy_weights_(trainer)
+                scheme.send(weights=trainer)  # collector.update_policy_weights_(trainer)
                 if i >= point["warmup"]:
                     lat.append(time.perf_counter() - t)
             emit(
@@ -528,19 +555,25 @@ def torchrl_main(argv: list[str]) -> int:
                 key=point["key"],
                 variant=point["variant"],
                 lat=lat,
-                connect_s=connect_s,
+                start_s=start_s,
             )
-            everyone("release", k, timeout=60)
+        except (RuntimeError, OSError) as exc:  # this point fails; the next ones still run
+            failed = f"{type(exc).__name__}: {exc}"
+            emit(event="point", key=point["key"], variant=point["variant"], error=failed)
+        finally:
+            stop.set()
+            for proc in procs:
+                proc.join(10)
+                if proc.is_alive():
+                    proc.kill()
+                    proc.join(5)
+            if failed:  # data nobody will read must not block the queues' feeder threads
+                for attr in ("_instruction_queues", "_ack_queues", "_weight_init_queues"):
+                    for q in getattr(scheme, attr, {}).values():
+                        q.cancel_join_thread()
             scheme.shutdown()
-            schemes[k] = trainers[k] = None
+            del scheme, views, trainer, own
             _trim()
-    finally:
-        for q in controls:
-            q.put(None)
-        for proc in procs:
-            proc.join(5)
-            if proc.is_alive():
-                proc.kill()
     emit(event="done")
     return 0
 

@@ -100,15 +100,21 @@ def _wait_for_bus(address: str, timeout: float) -> Any:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     from ._protocol import to_plain
+    from .relay import inspect_relays, print_relays
 
     reply = _inspect(_address(args), args.timeout)
+    relays = inspect_relays(_address(args), min(args.timeout, 1.0))  # None: no relay root
     if args.json:
         plain = to_plain(reply)
         for buf in plain["buffers"]:
             buf.pop("handle")  # IPC handle bytes are for subscribers, not for screens
+        if relays is not None:
+            plain["relays"] = relays
         print(json.dumps(plain, indent=2))
     else:
         _print_state(reply)
+        if relays is not None:
+            print_relays(relays)
     return 0
 
 
@@ -219,6 +225,12 @@ def cmd_gc(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_relay(args: argparse.Namespace) -> int:
+    from .relay import run_cli
+
+    return run_cli(args)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from ._bench import run_from_args
 
@@ -280,6 +292,12 @@ def _parser() -> argparse.ArgumentParser:
 
     add_bench_arguments(p)
     p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("relay", help="carry a bus to other hosts over torch.distributed")
+    from .relay import add_arguments as add_relay_arguments
+
+    add_relay_arguments(p)
+    p.set_defaults(func=cmd_relay)
 
     p = sub.add_parser("gc", help="remove segments leaked by killed processes")
     p.add_argument("--shm-dir", default=None, help="default: $ZMQSYNC_SHM_DIR or /dev/shm")
