@@ -9,8 +9,12 @@ so a worker computes exactly what the trainer would.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+import threading
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -21,7 +25,7 @@ from ._protocol import ALIGN, DTYPES, TensorSpec, contiguous_stride
 if TYPE_CHECKING:
     from tensordict import TensorDictBase
 
-__all__ = ["Key", "Layout", "flatten", "to_tensordict", "torch_dtype"]
+__all__ = ["Key", "Layout", "ModuleReader", "flatten", "to_tensordict", "torch_dtype"]
 
 Key = tuple[str, ...]
 PAGE = 4096
@@ -32,6 +36,11 @@ _TORCH_DTYPES: dict[str, torch.dtype] = {
     if isinstance(getattr(torch, name, None), torch.dtype)
 }
 _DTYPE_NAMES = {dtype: name for name, dtype in _TORCH_DTYPES.items()}
+
+
+# The base class's getters: nn.Parameter's own go through __torch_function__ (8x slower).
+_SHAPE: Callable[[torch.Tensor], tuple[int, ...]] = torch._C.TensorBase.shape.__get__  # type: ignore[attr-defined]
+_DTYPE: Callable[[torch.Tensor], torch.dtype] = torch._C.TensorBase.dtype.__get__  # type: ignore[attr-defined]
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -46,15 +55,20 @@ def _round_up(n: int, to: int) -> int:
     return -(-n // to) * to
 
 
-def flatten(weights: Any) -> dict[Key, torch.Tensor]:
+def flatten(weights: Any, *, detach: bool = True) -> dict[Key, torch.Tensor]:
     """``{key: tensor}`` for a module (parameters and buffers), TensorDict or state_dict.
+
+    Args:
+        detach: False leaves module parameters as they are (a caller that only reads
+            them under no_grad saves a tensor object per parameter).
 
     Raises:
         TypeError: `weights` is none of the accepted kinds, or holds a non-tensor.
     """
     if isinstance(weights, torch.nn.Module):
-        items = [*weights.named_parameters(), *weights.named_buffers()]
-        flat = {tuple(name.split(".")): t.detach() for name, t in items}
+        flat = _module_tensors(weights)
+        if detach:
+            flat = {key: t.detach() for key, t in flat.items()}
     elif _is_tensordict(weights):
         flat = {}
         for k, v in weights.items(include_nested=True, leaves_only=True):
@@ -81,6 +95,106 @@ def flatten(weights: Any) -> dict[Key, torch.Tensor]:
     if not flat:
         raise ValueError("weights hold no tensors: nothing to publish")
     return flat
+
+
+def _module_tensors(module: torch.nn.Module) -> dict[Key, torch.Tensor]:
+    """What ``named_parameters()`` then ``named_buffers()`` yield, keyed by tuples."""
+    return {key: owner[name] for key, owner, name in _module_plan(module)}
+
+
+def _module_plan(module: torch.nn.Module) -> list[tuple[Key, dict[str, Any], str]]:
+    """Where each tensor of `module` lives: (key, the dict that holds it, its name there).
+
+    Same order and the same de-duplication as ``named_parameters()`` then
+    ``named_buffers()`` (a shared module or a tied tensor appears once, under its first
+    name), without their generators and dotted-name joins.
+    """
+    modules: list[tuple[Key, torch.nn.Module]] = []
+    seen: set[int] = set()
+
+    def visit(prefix: Key, m: torch.nn.Module) -> None:
+        if id(m) in seen:
+            return
+        seen.add(id(m))
+        modules.append((prefix, m))
+        for name, child in m._modules.items():
+            if child is not None:
+                visit((*prefix, name), child)
+
+    visit((), module)
+    plan: list[tuple[Key, dict[str, Any], str]] = []
+    for members in ("_parameters", "_buffers"):
+        memo: set[int] = set()  # ids: Tensor.__hash__ is a Python call
+        for prefix, m in modules:
+            owner = getattr(m, members)
+            for name, tensor in owner.items():
+                if tensor is None or id(tensor) in memo:
+                    continue
+                memo.add(id(tensor))
+                plan.append(((*prefix, name), owner, name))
+    return plan
+
+
+_structure = [0]  # bumped whenever torch registers a module, parameter or buffer anywhere
+_watching = threading.Lock()
+_watched = False
+
+
+def _structure_changed(*args: Any) -> None:
+    _structure[0] += 1
+
+
+def _watch_structure() -> None:
+    """Install torch's global registration hooks once (each only bumps a counter)."""
+    global _watched
+    with _watching:
+        if _watched:
+            return
+        from torch.nn.modules import module as nn_module
+
+        nn_module.register_module_module_registration_hook(_structure_changed)
+        nn_module.register_module_parameter_registration_hook(_structure_changed)
+        nn_module.register_module_buffer_registration_hook(_structure_changed)
+        _watched = True
+
+
+class ModuleReader:
+    """Reads a module's parameters and buffers on every publish, cheaply.
+
+    Walking the module tree costs ~1.5 us per submodule (3 ms for 2,000 of them: more
+    than copying their bytes). So the walk's result — which dict holds each tensor — is
+    kept, and only the lookups run per read. It is walked again when torch registers a
+    module, parameter or buffer anywhere in the process (assigning a new submodule or
+    ``nn.Parameter`` does), when an entry disappeared or became None, and at least once
+    a second (a change made behind torch's back, e.g. writing ``_modules`` directly).
+    In-place changes (``.data =``, ``load_state_dict``) need no walk: the layout check
+    sees shapes and dtypes on every read.
+    """
+
+    REWALK_S = 1.0
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        _watch_structure()
+        self._module = module
+        self._plan: list[tuple[Key, dict[str, Any], str]] = []
+        self._generation = -1
+        self._walked_at = -math.inf
+
+    def read(self) -> dict[Key, torch.Tensor]:
+        now = time.monotonic()
+        if self._generation == _structure[0] and now - self._walked_at < self.REWALK_S:
+            try:
+                flat = {key: owner[name] for key, owner, name in self._plan}
+            except KeyError:
+                flat = {}
+            if flat and all(t is not None for t in flat.values()):
+                return flat
+        self._generation = _structure[0]
+        self._plan = _module_plan(self._module)
+        self._walked_at = now
+        if not self._plan:
+            raise ValueError("weights hold no tensors: nothing to publish")
+        return {key: owner[name] for key, owner, name in self._plan}
 
 
 def _is_tensordict(obj: Any) -> bool:
@@ -147,8 +261,23 @@ class Layout:
         """Bytes of tensor data in one version (without padding)."""
         return sum(spec.nbytes for spec in self.specs)
 
+    @cached_property
+    def _signature(self) -> tuple[list[Key], list[tuple[int, ...]], list[torch.dtype]]:
+        keys = [spec.key for spec in self.specs]
+        return keys, [spec.shape for spec in self.specs], [torch_dtype(s.dtype) for s in self.specs]
+
     def check(self, flat: Mapping[Key, torch.Tensor]) -> None:
         """Raise LayoutMismatch naming the first difference between `flat` and the layout."""
+        keys, shapes, dtypes = self._signature
+        # The hot path: same keys in the same order, same shapes and dtypes; shapes
+        # compare as plain tuples (a list of torch.Size compares 10x slower).
+        values = flat.values()
+        if (
+            list(flat) == keys
+            and list(map(_SHAPE, values)) == shapes
+            and list(map(_DTYPE, values)) == dtypes
+        ):
+            return
         expected = [spec.key for spec in self.specs]
         known = set(expected)
         missing = [k for k in expected if k not in flat]

@@ -5,9 +5,13 @@ Invariants:
 * **A slot a live subscriber holds is never written** (`Registry.free_slot`); with
   slots=1 alias readers are protected by the seqlock instead.
 * Versions strictly increase; `start()` publishes version 0.
-* Only the agent thread touches the sockets. The user's thread writes the buffer, then
-  asks the agent (over an inproc pipe) to announce the version; acks come back through
-  the `Registry`, under one lock and condition.
+* The events, acks and tap sockets are used under `_io` by one thread at a time. The
+  publishing thread takes it to announce a version itself and then reads the acks
+  itself for a moment (FAST_COLLECT_S): a thread hand-off per publish cost more than
+  the rest of the round trip on 2 cores. The agent thread takes it for everything else
+  (heartbeats, evictions, acks that come later), and waits on the sockets' ZMQ_FD so it
+  never touches a socket while a publishing thread holds it. Registry updates happen
+  under one lock and condition.
 * Every wait has a deadline: a publish builds one and spends it on finding a free slot
   and on collecting every ack.
 * CUDA weights (see docs/cuda.md) go into one dedicated CUDA buffer per device, shared
@@ -31,7 +35,7 @@ import time
 import warnings
 import weakref
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -41,7 +45,7 @@ from . import _config, _lifecycle
 from ._buffers import CpuSegment, CudaBuffer, SharedBuffer, collect_garbage, segment_name
 from ._deadline import Deadline
 from ._errors import ClosedError, ProtocolError, PublishTimeout, ZmqSyncError
-from ._layout import Key, Layout, flatten
+from ._layout import Key, Layout, ModuleReader, flatten
 from ._protocol import (
     Ack,
     Bye,
@@ -78,6 +82,10 @@ class _Default:
 
 DEFAULT: Any = _Default()
 XPUB_WELCOME = b"\x00zmqsync-subscribed"  # first frame a new SUB gets: its subscription is live
+# How long a publishing thread reads acks itself before leaving the rest to the agent.
+# The agent's heartbeats and evictions wait that long at most; fast publishes never leave.
+FAST_COLLECT_S = 0.02
+IO_LOCK_S = 30.0  # the agent holds `_io` for one bounded step; longer means it is stuck
 
 
 def _tensor_device(tensor: torch.Tensor) -> str:
@@ -206,6 +214,8 @@ class Publisher:
             raise ValueError(f"heartbeat must be in [0.001, 3600] seconds, not {heartbeat}")
         Deadline(timeout)  # validates
         self._source = weights
+        # a module is re-read at each publish; the reader keeps where its tensors live
+        self._reader = ModuleReader(weights) if isinstance(weights, torch.nn.Module) else None
         flat = flatten(weights)
         placed = {key: _tensor_device(t) for key, t in flat.items()}
         self._devices = set(placed.values())
@@ -244,18 +254,24 @@ class Publisher:
         self._cond = threading.Condition(self._lock)
         self._publish_lock = threading.Lock()
         self._pipe_lock = threading.Lock()
+        self._io = threading.Lock()  # the events, acks and tap sockets (see the module doc)
         self._counters: Counter[str] = Counter()
         self._state = "new"  # new -> started -> closed
         self._failure: BaseException | None = None
         self._agent: _Agent | None = None
         self._segment: CpuSegment | None = None
         self._slot_views: list[dict[Key, torch.Tensor]] = []
+        self._write_plans: list[_WritePlan] = []
         self._cuda: list[SharedBuffer] = []
         self._cuda_views: list[dict[Key, torch.Tensor]] = []  # per slot: tensors on GPUs
         self._mirrored: list[bool] = []  # per slot: the CPU segment holds its CUDA tensors
         self._streams: list[torch.device] = []  # devices to synchronize after a write
         self._write_lock = threading.Lock()
         self._notes: dict[str, tuple[str, str]] = {}  # worker id -> (session, transport note)
+        # What user threads wait for (under _cond): the agent wakes them only when one of
+        # these can move, not on every ack (each needless wake costs a GIL hand-off).
+        self._awaited: Counter[tuple[int, tuple[str, ...]]] = Counter()
+        self._claiming = 0
         self._resources = contextlib.ExitStack()
         self._pid = os.getpid()
 
@@ -292,6 +308,7 @@ class Publisher:
             segment = self._segment
             self._slot_views = [self._layout.views(segment.slot(i)) for i in range(self._slots)]
             self._start_cuda(stack)
+            self._write_plans = [self._write_plan(slot) for slot in range(self._slots)]
             self._write(0, 0, flatten(self._source), mirror=False)
             self._registry.record(0, 0)
             self._agent = _Agent(self)
@@ -324,7 +341,7 @@ class Publisher:
         if self._agent is not None:
             self._agent.command(b"stop")
         self._resources.close()
-        self._slot_views, self._cuda_views = [], []
+        self._slot_views, self._cuda_views, self._write_plans = [], [], []
         log.info("publisher %r closed at version %d", self.name, self._registry.latest)
 
     def __enter__(self) -> Publisher:
@@ -392,7 +409,10 @@ class Publisher:
         self._check_usable()
         started = time.perf_counter()
         deadline = Deadline(self._timeout if timeout is DEFAULT else timeout)
-        flat = flatten(self._source if weights is None else weights)
+        if weights is None and self._reader is not None:
+            flat = self._reader.read()
+        else:
+            flat = flatten(self._source if weights is None else weights, detach=False)
         self._layout.check(flat)
         with self._publish_lock:
             latest = self._registry.latest
@@ -408,7 +428,7 @@ class Publisher:
                     members = self._registry.members
                     targets = tuple(members) if workers is None else tuple(w for w in workers)
                     self._counters["publishes"] += 1
-            self._agent.command(b"announce %d %d" % (version, slot))  # type: ignore[union-attr]
+            self._announce(version, slot)
         handle = Publish(self, version, targets, started)
         log.debug("published v%d into slot %d for %d workers", version, slot, len(targets))
         return self._wait(handle, deadline) if wait else handle
@@ -455,26 +475,49 @@ class Publisher:
             {v.device for v in self._cuda_views[0].values() if v.is_cuda}, key=str
         )
 
+    def _write_plan(self, slot: int) -> _WritePlan:
+        """The copies of one slot, grouped once: small CPU tensors go in one foreach."""
+        gpu = self._cuda_views[slot] if self._cuda_views else {}
+        small: list[tuple[Key, torch.Tensor]] = []
+        big: list[tuple[Key, torch.Tensor]] = []
+        for key, view in self._slot_views[slot].items():
+            if key not in gpu:
+                (big if view.numel() * view.element_size() >= _FOREACH_MAX else small).append(
+                    (key, view)
+                )
+        mirror = [(key, self._slot_views[slot][key]) for key in gpu]
+        return _WritePlan(
+            list(gpu.items()), [k for k, _ in small], [v for _, v in small], big, mirror
+        )
+
     def _write(
         self, slot: int, version: int, flat: dict[Key, torch.Tensor], *, mirror: bool
     ) -> None:
         """Write `flat` into `slot` under the seqlock; `mirror`: CUDA tensors to the CPU too."""
         assert self._segment is not None
         header = self._segment.header
-        views = self._slot_views[slot]
-        gpu = self._cuda_views[slot] if self._cuda_views else {}
+        plan = self._write_plans[slot]
         header.begin_write(slot)
         with torch.no_grad():
-            for key, view in gpu.items():  # device to device, queued on the current stream
+            for key, view in plan.gpu:  # device to device, queued on the current stream
                 view.copy_(flat[key])
-            for key, view in views.items():
-                if mirror or key not in gpu:
+            if plan.small_keys:
+                sources = [flat[key] for key in plan.small_keys]
+                try:
+                    torch._foreach_copy_(plan.small_views, sources)
+                except RuntimeError:  # e.g. a tensor moved to another device since start
+                    for view, source in zip(plan.small_views, sources, strict=True):
+                        view.copy_(source)
+            for key, view in plan.big:  # torch's threads: the trainer's cores are free now
+                view.copy_(flat[key])
+            if mirror:
+                for key, view in plan.mirror:
                     view.copy_(flat[key])
         for device in self._streams:  # the bytes are in place before the header says so
             torch.cuda.current_stream(device).synchronize()
         header.end_write(slot, version)
         header.set_latest(version, slot)
-        if gpu:
+        if plan.gpu:
             self._mirrored[slot] = mirror
 
     def _needs_mirror(self) -> bool:
@@ -504,29 +547,77 @@ class Publisher:
 
     def _claim_slot(self, deadline: Deadline) -> int:
         with self._cond:
-            while (slot := self._registry.free_slot()) is None:
-                self._check_usable()
-                if deadline.expired():
-                    blockers = self._registry.blockers()
-                    self._on_deadline(
-                        self._registry.latest + 1, (), blockers, "still hold every slot"
-                    )
-                    continue
-                self._cond.wait(deadline.wait_s(0.5))
+            self._claiming += 1
+            try:
+                while (slot := self._registry.free_slot()) is None:
+                    self._check_usable()
+                    if deadline.expired():
+                        blockers = self._registry.blockers()
+                        self._on_deadline(
+                            self._registry.latest + 1, (), blockers, "still hold every slot"
+                        )
+                        continue
+                    self._cond.wait(deadline.wait_s(0.5))
+            finally:
+                self._claiming -= 1
             return slot
 
     def _wait(self, handle: Publish, deadline: Deadline) -> Publish:
+        awaited = (handle.version, handle.targets)
+        self._collect(handle, deadline)
         with self._cond:
-            while missing := self._registry.missing(handle.version, handle.targets):
-                self._check_usable()
-                if deadline.expired():
-                    acked = self._registry.acked(handle.version, handle.targets)
-                    self._on_deadline(handle.version, acked, missing, "did not ack")
-                    handle._finish(acked)
-                    return handle
-                self._cond.wait(deadline.wait_s(0.5))
-            handle._finish(self._registry.acked(handle.version, handle.targets))
+            self._awaited[awaited] += 1
+            try:
+                while missing := self._registry.missing(handle.version, handle.targets):
+                    self._check_usable()
+                    if deadline.expired():
+                        acked = self._registry.acked(handle.version, handle.targets)
+                        self._on_deadline(handle.version, acked, missing, "did not ack")
+                        handle._finish(acked)
+                        return handle
+                    self._cond.wait(deadline.wait_s(0.5))
+                handle._finish(self._registry.acked(handle.version, handle.targets))
+            finally:
+                self._awaited[awaited] -= 1
+                if not self._awaited[awaited]:
+                    del self._awaited[awaited]
         return handle
+
+    def _announce(self, version: int, slot: int) -> None:
+        """Send RECEIVE from this thread (see the module doc: no hand-off to the agent)."""
+        agent = self._agent
+        assert agent is not None
+        if not self._io.acquire(timeout=IO_LOCK_S):
+            raise ZmqSyncError(f"publisher {self.name!r}: its agent thread is stuck; close it")
+        try:
+            if agent.closed:
+                raise ClosedError(f"Publisher {self.name!r} was closed while publishing")
+            agent.seq += 1
+            agent.send_event(Receive(self.bus, agent.seq, version, slot))
+        finally:
+            self._io.release()
+
+    def _collect(self, handle: Publish, deadline: Deadline) -> None:
+        """Read acks on this thread until `handle` is done, briefly; the agent does the rest."""
+        agent = self._agent
+        if agent is None or not self._io.acquire(timeout=FAST_COLLECT_S):
+            return
+        try:
+            if agent.closed:
+                return
+            agent.collect(
+                lambda: not self._registry.missing(handle.version, handle.targets),
+                Deadline(deadline.wait_s(FAST_COLLECT_S)),
+            )
+        finally:
+            self._io.release()
+            agent.wake_if_needed()
+
+    def _anyone_unblocked(self) -> bool:
+        """Whether acks just let a waiting user thread move (call under `_cond`)."""
+        if self._claiming:
+            return True
+        return any(not self._registry.missing(v, t) for v, t in self._awaited)
 
     def _on_deadline(
         self, version: int, acked: Iterable[str], missing: list[str], what: str
@@ -551,6 +642,18 @@ class Publisher:
             cmd = b"evict %s %s" % (member.session.encode(), member.worker_id.encode())
             self._agent.command(cmd)  # type: ignore[union-attr]
         self._cond.notify_all()
+
+
+_FOREACH_MAX = 1 << 20  # bytes: smaller CPU tensors are copied together by one foreach
+
+
+@dataclasses.dataclass(frozen=True)
+class _WritePlan:
+    gpu: list[tuple[Key, torch.Tensor]]  # tensors kept in a CUDA buffer
+    small_keys: list[Key]  # CPU tensors copied together
+    small_views: list[torch.Tensor]
+    big: list[tuple[Key, torch.Tensor]]  # CPU tensors copied one by one (torch's threads)
+    mirror: list[tuple[Key, torch.Tensor]]  # CPU copies of the CUDA tensors
 
 
 def _refuse_if_served(address: str) -> None:
@@ -591,6 +694,8 @@ class _Agent:
         self._pipe_in.bind(self._pipe_addr)
         self._failure: BaseException | None = None
         self.tap: zmq.Socket[bytes] | None = None
+        self.endpoints: dict[str, str] = {}  # cached: LAST_ENDPOINT is a socket call
+        self.closed = False  # the sockets are closed (set under `_io`)
         self._auth: Authenticator | None = None
         self._tokens = float(pub._handshake_rate)
         self._tokens_at = time.monotonic()
@@ -637,10 +742,12 @@ class _Agent:
             with self.pub._cond:
                 self.pub._cond.notify_all()
         finally:
-            bound = [s for s in (self.control, self.events, self.acks, self.tap) if s is not None]
-            endpoints = [s.getsockopt_string(zmq.LAST_ENDPOINT) for s in bound]
-            for sock in (self.pipe, *bound):
-                sock.close()
+            with self.pub._io:  # a publishing thread may be using them
+                self.closed = True
+                bound = [self.control, *self._shared()]
+                endpoints = [s.getsockopt_string(zmq.LAST_ENDPOINT) for s in bound]
+                for sock in (self.pipe, *bound):
+                    sock.close()
             for endpoint in endpoints:  # libzmq leaves ipc socket files behind
                 if endpoint.startswith("ipc://"):
                     with contextlib.suppress(FileNotFoundError):
@@ -677,36 +784,86 @@ class _Agent:
         for sock in (self.control, self.events, self.acks, self.tap):
             if sock is not None:
                 protect_ipc(sock, pub._gid)
+        self.endpoints = {
+            "events": self.events.getsockopt_string(zmq.LAST_ENDPOINT),
+            "acks": self.acks.getsockopt_string(zmq.LAST_ENDPOINT),
+            "tap": "" if self.tap is None else self.tap.getsockopt_string(zmq.LAST_ENDPOINT),
+        }
 
     def _loop(self) -> None:
+        # The shared sockets are watched through their ZMQ_FD (edge-triggered): waiting on
+        # a plain fd never touches a socket a publishing thread may be using. Whoever
+        # uses them drains them until ZMQ_EVENTS says nothing is left, and a publishing
+        # thread that leaves something wakes the agent (`wake_if_needed`).
         poller = zmq.Poller()
-        for sock in (self.pipe, self.control, self.acks, self.events, self.tap):
-            if sock is not None:
-                poller.register(sock, zmq.POLLIN)
-        beat = self.pub._heartbeat
+        poller.register(self.pipe, zmq.POLLIN)
+        poller.register(self.control, zmq.POLLIN)
+        for sock in self._shared():
+            poller.register(sock.getsockopt(zmq.FD), zmq.POLLIN)
+        io, beat = self.pub._io, self.pub._heartbeat
         next_beat = time.monotonic()
         while True:
             ready = dict(poller.poll(max(0, int((next_beat - time.monotonic()) * 1000)) + 1))
-            if self.pipe in ready and not self._on_commands():
-                return
-            if self.control in ready:
-                self._on_request()
-            if self.acks in ready:
-                self._on_acks()
-            if self.events in ready:
-                self._drain_subscriptions(self.events)
-            if self.tap is not None and self.tap in ready:
-                self._drain_subscriptions(self.tap)
-            now = time.monotonic()
-            if now >= next_beat:
-                self._beat(now)
-                next_beat = now + beat
+            if not io.acquire(timeout=IO_LOCK_S):
+                raise ZmqSyncError("a publishing thread held the sockets for too long")
+            try:
+                if self.pipe in ready and not self._on_commands():
+                    return
+                if self.control in ready:
+                    self._on_request()
+                self._service()
+                now = time.monotonic()
+                if now >= next_beat:
+                    self._beat(now)
+                    next_beat = now + beat
+            finally:
+                io.release()
             if self._closing is not None and (
                 self._closing.expired() or not self.pub._registry.members
             ):
                 return
 
-    def _send_event(self, msg: Message, peer: str = "") -> None:
+    def _shared(self) -> list[zmq.Socket[bytes]]:
+        return [s for s in (self.acks, self.events, self.tap) if s is not None]
+
+    def _service(self) -> None:
+        """Drain the shared sockets (caller holds `_io`)."""
+        self._on_acks()
+        self._drain_subscriptions(self.events)
+        if self.tap is not None:
+            self._drain_subscriptions(self.tap)
+
+    def wake_if_needed(self) -> None:
+        """After a publishing thread used the sockets: wake the agent if it left work.
+
+        That thread may have consumed the ZMQ_FD edge the agent waits on; anything still
+        queued would otherwise wait for the next message. Called without `_io` held.
+        """
+        if not self.pub._io.acquire(blocking=False):
+            return  # the agent (or another publisher thread) holds it and will drain
+        try:
+            pending = not self.closed and any(
+                int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN for sock in self._shared()
+            )
+        finally:
+            self.pub._io.release()
+        if pending:
+            self.command(b"io")
+
+    def collect(self, done: Callable[[], bool], deadline: Deadline) -> None:
+        """Handle acks on the calling thread until `done()` or the deadline (caller holds `_io`)."""
+        pub, acks = self.pub, self.acks
+        while True:
+            self._on_acks()
+            with pub._cond:
+                if done():
+                    return
+            if deadline.expired():
+                return
+            acks.poll(deadline.poll_ms())
+
+    def send_event(self, msg: Message, peer: str = "") -> None:
+        """Send on the events socket (caller holds `_io`)."""
         frame = encode(msg)
         self.events.send(frame)
         self._mirror("out", peer, frame)
@@ -724,16 +881,13 @@ class _Agent:
     def _on_commands(self) -> bool:
         while self.pipe.poll(0):
             cmd = self.pipe.recv().split()
-            if cmd[0] == b"announce":
-                self.seq += 1
-                self._send_event(Receive(self.pub.bus, self.seq, int(cmd[1]), int(cmd[2])))
-            elif cmd[0] == b"evict":
+            if cmd[0] == b"evict":
                 self.seq += 1
                 stop = Stop(self.pub.bus, self.seq, cmd[1].decode(), "evicted")
-                self._send_event(stop, cmd[2].decode())
+                self.send_event(stop, cmd[2].decode())
             elif cmd[0] == b"stop" and self._closing is None:
                 self.seq += 1
-                self._send_event(Stop(self.pub.bus, self.seq, "", "publisher closed"))
+                self.send_event(Stop(self.pub.bus, self.seq, "", "publisher closed"))
                 self._closing = Deadline(_config.CLOSE_BYE_WAIT_S)
         return True
 
@@ -817,9 +971,9 @@ class _Agent:
             slots=pub._slots,
             slot_bytes=pub._layout.slot_bytes,
             heartbeat=pub._heartbeat,
-            events=self.events.getsockopt_string(zmq.LAST_ENDPOINT),
-            acks=self.acks.getsockopt_string(zmq.LAST_ENDPOINT),
-            tap=self._tap_endpoint(),
+            events=self.endpoints["events"],
+            acks=self.endpoints["acks"],
+            tap=self.endpoints["tap"],
             buffers=pub._buffer_infos(),
             manifest=pub._layout.specs,
         )
@@ -835,9 +989,6 @@ class _Agent:
     def _note_of(self, worker_id: str, session: str) -> str:
         kept = self.pub._notes.get(worker_id)
         return kept[1] if kept is not None and kept[0] == session else ""
-
-    def _tap_endpoint(self) -> str:
-        return "" if self.tap is None else self.tap.getsockopt_string(zmq.LAST_ENDPOINT)
 
     def _admit(self, hello: Hello) -> None:
         """Refuse a HELLO when the bus is full or handshakes come too fast (a storm)."""
@@ -881,8 +1032,8 @@ class _Agent:
                 slots=pub._slots,
                 slot_versions=tuple(pub._registry.slot_versions),
                 heartbeat=pub._heartbeat,
-                tap=self._tap_endpoint(),
-                events=self.events.getsockopt_string(zmq.LAST_ENDPOINT),
+                tap=self.endpoints["tap"],
+                events=self.endpoints["events"],
                 buffers=pub._buffer_infos(),
                 manifest=pub._layout.specs,
                 workers=workers,
@@ -890,33 +1041,41 @@ class _Agent:
             )
 
     def _on_acks(self) -> None:
-        pub, now, changed = self.pub, time.monotonic(), False
+        """Handle what waits on the acks socket (caller holds `_io`)."""
+        pub, acks, now, changed = self.pub, self.acks, time.monotonic(), False
         for _ in range(_config.ACK_DRAIN_MAX):
-            try:
-                frames = self.acks.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
+            # Ask before reading: a raised zmq.Again per drain was a hot-path cost.
+            if not int(acks.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
                 break
+            frame = acks.recv()
+            more = False
+            while acks.getsockopt(zmq.RCVMORE):  # multipart is not ours: read it all, drop
+                acks.recv()
+                more = True
             try:
-                if len(frames) != 1:
-                    raise ProtocolError(f"expected one frame, got {len(frames)}")
-                msg = decode(frames[0], bus=pub.bus)
+                if more:
+                    raise ProtocolError("expected one frame, got several")
+                msg = decode(frame, bus=pub.bus)
             except ProtocolError as exc:
                 self._count("rejected")
                 log.debug("dropped message on acks: %s", exc)
-                self._mirror("in", "", frames[0][:4096] if frames else b"")
+                self._mirror("in", "", frame[:4096])
                 continue
-            self._mirror("in", getattr(msg, "worker_id", ""), frames[0])
+            if self.tap is not None:
+                self._mirror("in", getattr(msg, "worker_id", ""), frame)
             with pub._cond:
                 changed |= self._on_worker_message(msg, now)
         if changed:
             with pub._cond:
-                pub._cond.notify_all()
+                if pub._anyone_unblocked():
+                    pub._cond.notify_all()
 
     def _on_worker_message(self, msg: Message, now: float) -> bool:
+        """Apply one worker message to the registry (caller holds `_cond`)."""
         reg = self.pub._registry
         if isinstance(msg, Ack):
             ok = reg.ack(msg.worker_id, msg.session, msg.version, now)
-            self._count("acks" if ok else "stale")
+            self.pub._counters["acks" if ok else "stale"] += 1
             return ok
         if isinstance(msg, Heartbeat):
             if not reg.seen(msg.worker_id, msg.session, now):
@@ -932,7 +1091,7 @@ class _Agent:
 
     def _beat(self, now: float) -> None:
         pub = self.pub
-        self._send_event(Heartbeat(pub.bus, self.seq, "", "", pub._registry.latest))
+        self.send_event(Heartbeat(pub.bus, self.seq, "", "", pub._registry.latest))
         limit = pub._heartbeat * _config.LOST_AFTER_BEATS
         with pub._cond:
             lost = pub._registry.evict(pub._registry.silent(now, limit))
@@ -943,14 +1102,14 @@ class _Agent:
             log.info("worker %s silent for %.1f s: dropped", member.worker_id, limit)
             self.seq += 1
             stop = Stop(pub.bus, self.seq, member.session, "silent too long")
-            self._send_event(stop, member.worker_id)
+            self.send_event(stop, member.worker_id)
 
     def _drain_subscriptions(self, sock: zmq.Socket[bytes]) -> None:
+        """XPUB subscription frames: read and dropped (the welcome frame did the work)."""
         for _ in range(_config.ACK_DRAIN_MAX):
-            try:
-                sock.recv(zmq.NOBLOCK)
-            except zmq.Again:
+            if not int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
                 return
+            sock.recv()
 
     def _count(self, what: str) -> None:
         with self.pub._lock:

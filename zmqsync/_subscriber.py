@@ -489,6 +489,7 @@ class Subscriber:
             raise
         devices = {t.device for t in (*views[0].values(), *target.tensors.values()) if t.is_cuda}
         with self._apply_lock:
+            target.forget_views()
             old, self._attachment = self._attachment, attachment
             old_gpus, self._gpus = self._gpus, list(gpus.values())
             self._views, self._target, self._bus = views, target, welcome.bus
