@@ -14,6 +14,7 @@ import tempfile
 
 __all__ = [
     "ACK_DRAIN_MAX",
+    "SERVICE_S",
     "DEFAULT_SHM_DIR",
     "HANDSHAKE_ATTEMPTS",
     "LOST_AFTER_BEATS",
@@ -29,6 +30,7 @@ DEFAULT_SHM_DIR = "/dev/shm"
 HANDSHAKE_ATTEMPTS = 3  # Lazy Pirate: fresh REQ socket per attempt
 LOST_AFTER_BEATS = 6  # a peer silent for this many heartbeat intervals is lost
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # MAXMSGSIZE on every bound socket
+SERVICE_S = 0.01  # how often the publisher's agent drains acks nobody is waiting for
 ACK_DRAIN_MAX = 1024  # messages handled per wake-up, so one flood cannot starve the rest
 CLOSE_BYE_WAIT_S = 0.5  # how long close() waits for BYEs after STOP
 THREAD_JOIN_S = 5.0  # how long close() waits for a background thread

@@ -5,13 +5,12 @@ Invariants:
 * **A slot a live subscriber holds is never written** (`Registry.free_slot`); with
   slots=1 alias readers are protected by the seqlock instead.
 * Versions strictly increase; `start()` publishes version 0.
-* The events, acks and tap sockets are used under `_io` by one thread at a time. The
-  publishing thread takes it to announce a version itself and then reads the acks
-  itself for a moment (FAST_COLLECT_S): a thread hand-off per publish cost more than
-  the rest of the round trip on 2 cores. The agent thread takes it for everything else
-  (heartbeats, evictions, acks that come later), and waits on the sockets' ZMQ_FD so it
-  never touches a socket while a publishing thread holds it. Registry updates happen
-  under one lock and condition.
+* The events, acks and tap sockets are used under `_io` by one thread at a time. A
+  publishing thread takes it to send RECEIVE itself, and a waiting thread to read the
+  acks it waits for itself: a thread hand-off per message cost more than the rest of the
+  round trip on 2 cores. The agent thread owns the control socket, and takes `_io` every
+  SERVICE_S and per heartbeat for the rest (heartbeats, evictions, BYEs, acks nobody
+  waits for). Registry updates happen under one lock and condition.
 * Every wait has a deadline: a publish builds one and spends it on finding a free slot
   and on collecting every ack.
 * CUDA weights (see docs/cuda.md) go into one dedicated CUDA buffer per device, shared
@@ -85,6 +84,7 @@ XPUB_WELCOME = b"\x00zmqsync-subscribed"  # first frame a new SUB gets: its subs
 # How long a publishing thread reads acks itself before leaving the rest to the agent.
 # The agent's heartbeats and evictions wait that long at most; fast publishes never leave.
 FAST_COLLECT_S = 0.02
+_EVENTS, _POLLIN, _RCVMORE = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.RCVMORE)
 IO_LOCK_S = 30.0  # the agent holds `_io` for one bounded step; longer means it is stuck
 
 
@@ -268,10 +268,6 @@ class Publisher:
         self._streams: list[torch.device] = []  # devices to synchronize after a write
         self._write_lock = threading.Lock()
         self._notes: dict[str, tuple[str, str]] = {}  # worker id -> (session, transport note)
-        # What user threads wait for (under _cond): the agent wakes them only when one of
-        # these can move, not on every ack (each needless wake costs a GIL hand-off).
-        self._awaited: Counter[tuple[int, tuple[str, ...]]] = Counter()
-        self._claiming = 0
         self._resources = contextlib.ExitStack()
         self._pid = os.getpid()
 
@@ -546,42 +542,60 @@ class Publisher:
         return (self._segment.describe(), *(b.describe() for b in self._cuda))
 
     def _claim_slot(self, deadline: Deadline) -> int:
-        with self._cond:
-            self._claiming += 1
-            try:
-                while (slot := self._registry.free_slot()) is None:
-                    self._check_usable()
-                    if deadline.expired():
-                        blockers = self._registry.blockers()
-                        self._on_deadline(
-                            self._registry.latest + 1, (), blockers, "still hold every slot"
-                        )
-                        continue
-                    self._cond.wait(deadline.wait_s(0.5))
-            finally:
-                self._claiming -= 1
-            return slot
+        free: list[int | None] = [None]
+
+        def found() -> bool:
+            free[0] = self._registry.free_slot()
+            return free[0] is not None
+
+        while True:
+            self._await(found, deadline)
+            with self._cond:
+                if found():
+                    return free[0]  # type: ignore[return-value]
+                self._check_usable()
+                blockers = self._registry.blockers()
+                self._on_deadline(self._registry.latest + 1, (), blockers, "still hold every slot")
 
     def _wait(self, handle: Publish, deadline: Deadline) -> Publish:
-        awaited = (handle.version, handle.targets)
-        self._collect(handle, deadline)
+        version, targets = handle.version, handle.targets
+        self._await(lambda: not self._registry.missing(version, targets), deadline)
         with self._cond:
-            self._awaited[awaited] += 1
-            try:
-                while missing := self._registry.missing(handle.version, handle.targets):
-                    self._check_usable()
-                    if deadline.expired():
-                        acked = self._registry.acked(handle.version, handle.targets)
-                        self._on_deadline(handle.version, acked, missing, "did not ack")
-                        handle._finish(acked)
-                        return handle
-                    self._cond.wait(deadline.wait_s(0.5))
-                handle._finish(self._registry.acked(handle.version, handle.targets))
-            finally:
-                self._awaited[awaited] -= 1
-                if not self._awaited[awaited]:
-                    del self._awaited[awaited]
+            if missing := self._registry.missing(version, targets):
+                self._check_usable()
+                acked = self._registry.acked(version, targets)
+                self._on_deadline(version, acked, missing, "did not ack")
+            handle._finish(self._registry.acked(version, targets))
         return handle
+
+    def _await(self, ready: Callable[[], bool], deadline: Deadline) -> None:
+        """Block until `ready()` (called under `_cond`) or the deadline; reads acks itself.
+
+        The waiting thread takes the sockets (`_io`) and handles acks as they arrive, in
+        turns of FAST_COLLECT_S so the agent can still send heartbeats: no thread
+        hand-off per ack. A thread that finds the sockets taken (another waiter, or the
+        agent for a moment) waits on the condition, which every registry change wakes.
+        """
+        agent = self._agent
+        assert agent is not None
+        while True:
+            with self._cond:
+                if ready():
+                    return
+                self._check_usable()
+            if deadline.expired():
+                return
+            if self._io.acquire(blocking=False):
+                try:
+                    if agent.closed:
+                        raise ClosedError(f"Publisher {self.name!r} was closed while waiting")
+                    agent.collect(ready, Deadline(deadline.wait_s(FAST_COLLECT_S)))
+                finally:
+                    self._io.release()
+            else:
+                with self._cond:
+                    if not ready():
+                        self._cond.wait(deadline.wait_s(FAST_COLLECT_S))
 
     def _announce(self, version: int, slot: int) -> None:
         """Send RECEIVE from this thread (see the module doc: no hand-off to the agent)."""
@@ -596,28 +610,6 @@ class Publisher:
             agent.send_event(Receive(self.bus, agent.seq, version, slot))
         finally:
             self._io.release()
-
-    def _collect(self, handle: Publish, deadline: Deadline) -> None:
-        """Read acks on this thread until `handle` is done, briefly; the agent does the rest."""
-        agent = self._agent
-        if agent is None or not self._io.acquire(timeout=FAST_COLLECT_S):
-            return
-        try:
-            if agent.closed:
-                return
-            agent.collect(
-                lambda: not self._registry.missing(handle.version, handle.targets),
-                Deadline(deadline.wait_s(FAST_COLLECT_S)),
-            )
-        finally:
-            self._io.release()
-            agent.wake_if_needed()
-
-    def _anyone_unblocked(self) -> bool:
-        """Whether acks just let a waiting user thread move (call under `_cond`)."""
-        if self._claiming:
-            return True
-        return any(not self._registry.missing(v, t) for v, t in self._awaited)
 
     def _on_deadline(
         self, version: int, acked: Iterable[str], missing: list[str], what: str
@@ -784,6 +776,8 @@ class _Agent:
         for sock in (self.control, self.events, self.acks, self.tap):
             if sock is not None:
                 protect_ipc(sock, pub._gid)
+        self._ack_poller = zmq.Poller()  # for the thread that holds `_io`
+        self._ack_poller.register(self.acks, zmq.POLLIN)
         self.endpoints = {
             "events": self.events.getsockopt_string(zmq.LAST_ENDPOINT),
             "acks": self.acks.getsockopt_string(zmq.LAST_ENDPOINT),
@@ -791,19 +785,19 @@ class _Agent:
         }
 
     def _loop(self) -> None:
-        # The shared sockets are watched through their ZMQ_FD (edge-triggered): waiting on
-        # a plain fd never touches a socket a publishing thread may be using. Whoever
-        # uses them drains them until ZMQ_EVENTS says nothing is left, and a publishing
-        # thread that leaves something wakes the agent (`wake_if_needed`).
+        # The shared sockets (acks, events, tap) are not polled here: a publishing thread
+        # reads the acks it waits for itself (see `Publisher._await`), and the agent
+        # drains them every SERVICE_S (heartbeats, BYEs, acks nobody waits for). Waiting
+        # on them here would wake this thread on every ack, to fight the publishing
+        # thread for the GIL.
         poller = zmq.Poller()
         poller.register(self.pipe, zmq.POLLIN)
         poller.register(self.control, zmq.POLLIN)
-        for sock in self._shared():
-            poller.register(sock.getsockopt(zmq.FD), zmq.POLLIN)
         io, beat = self.pub._io, self.pub._heartbeat
-        next_beat = time.monotonic()
+        next_beat = next_service = time.monotonic()
         while True:
-            ready = dict(poller.poll(max(0, int((next_beat - time.monotonic()) * 1000)) + 1))
+            wake = min(next_beat, next_service)
+            ready = dict(poller.poll(max(0, int((wake - time.monotonic()) * 1000)) + 1))
             if not io.acquire(timeout=IO_LOCK_S):
                 raise ZmqSyncError("a publishing thread held the sockets for too long")
             try:
@@ -811,8 +805,10 @@ class _Agent:
                     return
                 if self.control in ready:
                     self._on_request()
-                self._service()
                 now = time.monotonic()
+                if now >= next_service:
+                    self._service()
+                    next_service = now + _config.SERVICE_S
                 if now >= next_beat:
                     self._beat(now)
                     next_beat = now + beat
@@ -833,26 +829,9 @@ class _Agent:
         if self.tap is not None:
             self._drain_subscriptions(self.tap)
 
-    def wake_if_needed(self) -> None:
-        """After a publishing thread used the sockets: wake the agent if it left work.
-
-        That thread may have consumed the ZMQ_FD edge the agent waits on; anything still
-        queued would otherwise wait for the next message. Called without `_io` held.
-        """
-        if not self.pub._io.acquire(blocking=False):
-            return  # the agent (or another publisher thread) holds it and will drain
-        try:
-            pending = not self.closed and any(
-                int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN for sock in self._shared()
-            )
-        finally:
-            self.pub._io.release()
-        if pending:
-            self.command(b"io")
-
     def collect(self, done: Callable[[], bool], deadline: Deadline) -> None:
         """Handle acks on the calling thread until `done()` or the deadline (caller holds `_io`)."""
-        pub, acks = self.pub, self.acks
+        pub, waiting = self.pub, self._ack_poller
         while True:
             self._on_acks()
             with pub._cond:
@@ -860,7 +839,7 @@ class _Agent:
                     return
             if deadline.expired():
                 return
-            acks.poll(deadline.poll_ms())
+            waiting.poll(deadline.poll_ms())
 
     def send_event(self, msg: Message, peer: str = "") -> None:
         """Send on the events socket (caller holds `_io`)."""
@@ -1044,12 +1023,13 @@ class _Agent:
         """Handle what waits on the acks socket (caller holds `_io`)."""
         pub, acks, now, changed = self.pub, self.acks, time.monotonic(), False
         for _ in range(_config.ACK_DRAIN_MAX):
-            # Ask before reading: a raised zmq.Again per drain was a hot-path cost.
-            if not int(acks.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+            # Ask before reading: a raised zmq.Again per drain was a hot-path cost. Plain
+            # ints: zmq.POLLIN is an IntFlag, and `&` on one is a Python call.
+            if not acks.getsockopt(_EVENTS) & _POLLIN:  # type: ignore[operator]
                 break
             frame = acks.recv()
             more = False
-            while acks.getsockopt(zmq.RCVMORE):  # multipart is not ours: read it all, drop
+            while acks.getsockopt(_RCVMORE):  # multipart is not ours: read it all, drop
                 acks.recv()
                 more = True
             try:
@@ -1067,8 +1047,7 @@ class _Agent:
                 changed |= self._on_worker_message(msg, now)
         if changed:
             with pub._cond:
-                if pub._anyone_unblocked():
-                    pub._cond.notify_all()
+                pub._cond.notify_all()
 
     def _on_worker_message(self, msg: Message, now: float) -> bool:
         """Apply one worker message to the registry (caller holds `_cond`)."""
@@ -1107,7 +1086,7 @@ class _Agent:
     def _drain_subscriptions(self, sock: zmq.Socket[bytes]) -> None:
         """XPUB subscription frames: read and dropped (the welcome frame did the work)."""
         for _ in range(_config.ACK_DRAIN_MAX):
-            if not int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+            if not sock.getsockopt(_EVENTS) & _POLLIN:  # type: ignore[operator]
                 return
             sock.recv()
 
