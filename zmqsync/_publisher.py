@@ -86,6 +86,7 @@ XPUB_WELCOME = b"\x00zmqsync-subscribed"  # first frame a new SUB gets: its subs
 FAST_COLLECT_S = 0.02
 _EVENTS, _POLLIN, _RCVMORE = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.RCVMORE)
 IO_LOCK_S = 30.0  # the agent holds `_io` for one bounded step; longer means it is stuck
+_COLLECT_WAIT_S = 0.005  # longest blocking recv while collecting acks
 
 
 def _tensor_device(tensor: torch.Tensor) -> str:
@@ -778,6 +779,7 @@ class _Agent:
                 protect_ipc(sock, pub._gid)
         self._ack_poller = zmq.Poller()  # for the thread that holds `_io`
         self._ack_poller.register(self.acks, zmq.POLLIN)
+        self.acks.rcvtimeo = int(_COLLECT_WAIT_S * 1000)  # only `collect` blocks in recv
         self.endpoints = {
             "events": self.events.getsockopt_string(zmq.LAST_ENDPOINT),
             "acks": self.acks.getsockopt_string(zmq.LAST_ENDPOINT),
@@ -831,15 +833,23 @@ class _Agent:
 
     def collect(self, done: Callable[[], bool], deadline: Deadline) -> None:
         """Handle acks on the calling thread until `done()` or the deadline (caller holds `_io`)."""
-        pub, waiting = self.pub, self._ack_poller
+        pub, acks, frame = self.pub, self.acks, None
         while True:
-            self._on_acks()
+            self._on_acks(frame)
             with pub._cond:
                 if done():
                     return
-            if deadline.expired():
-                return
-            waiting.poll(deadline.poll_ms())
+            left = deadline.remaining()
+            if left is not None and left < _COLLECT_WAIT_S:
+                if left <= 0:
+                    return
+                self._ack_poller.poll(deadline.poll_ms())
+                frame = None
+                continue
+            try:  # a blocking recv (RCVTIMEO) costs less per ack than a poll, then a recv
+                frame = acks.recv()
+            except zmq.Again:
+                frame = None
 
     def send_event(self, msg: Message, peer: str = "") -> None:
         """Send on the events socket (caller holds `_io`)."""
@@ -1019,15 +1029,23 @@ class _Agent:
                 counters=dict(pub._counters),
             )
 
-    def _on_acks(self) -> None:
-        """Handle what waits on the acks socket (caller holds `_io`)."""
-        pub, acks, now, changed = self.pub, self.acks, time.monotonic(), False
+    def _on_acks(self, first: bytes | None = None) -> None:
+        """Handle `first` (a frame already read) and what waits on the acks socket.
+
+        The caller holds `_io`. Worker messages are decoded first and applied to the
+        registry under one lock.
+        """
+        pub, acks, now = self.pub, self.acks, time.monotonic()
+        messages: list[Message] = []
         for _ in range(_config.ACK_DRAIN_MAX):
+            if first is not None:
+                frame, first = first, None
             # Ask before reading: a raised zmq.Again per drain was a hot-path cost. Plain
             # ints: zmq.POLLIN is an IntFlag, and `&` on one is a Python call.
-            if not acks.getsockopt(_EVENTS) & _POLLIN:  # type: ignore[operator]
+            elif acks.getsockopt(_EVENTS) & _POLLIN:  # type: ignore[operator]
+                frame = acks.recv()
+            else:
                 break
-            frame = acks.recv()
             more = False
             while acks.getsockopt(_RCVMORE):  # multipart is not ours: read it all, drop
                 acks.recv()
@@ -1043,11 +1061,14 @@ class _Agent:
                 continue
             if self.tap is not None:
                 self._mirror("in", getattr(msg, "worker_id", ""), frame)
+            messages.append(msg)
+        if messages:
             with pub._cond:
-                changed |= self._on_worker_message(msg, now)
-        if changed:
-            with pub._cond:
-                pub._cond.notify_all()
+                changed = False
+                for msg in messages:
+                    changed |= self._on_worker_message(msg, now)
+                if changed:
+                    pub._cond.notify_all()
 
     def _on_worker_message(self, msg: Message, now: float) -> bool:
         """Apply one worker message to the registry (caller holds `_cond`)."""

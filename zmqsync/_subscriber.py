@@ -71,6 +71,8 @@ __all__ = ["Reading", "Subscriber"]
 log = logging.getLogger(__name__)
 _APPLY_ATTEMPTS = 100
 _EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)
+_WAKE = b"\x01"  # from the subscriber's own inproc PUB: look at the flags (never a message)
+_WAIT_CAP_S = 0.1
 
 
 class _Link(enum.Enum):
@@ -285,7 +287,7 @@ class Subscriber:
             offer, self._pending = self._pending, None
         applied = self._apply_offer(offer)
         if applied is not None and self._agent is not None:
-            self._agent.command(b"ack %d %s" % (applied, offer.bus.encode()))
+            self._agent.ack_from_user(applied, offer.bus)
         return applied is not None
 
     def wait_for_version(self, version: int, timeout: float | None = DEFAULT) -> bool:
@@ -539,11 +541,16 @@ class _Agent:
         self._started = threading.Event()
         self._startup: BaseException | None = None
         self._deadline = Deadline(10.0)
-        self._pipe_lock = threading.Lock()
-        self._pipe_in = self.ctx.socket(zmq.PAIR)
-        self._pipe_in.linger = 0
-        self._pipe_addr = f"inproc://zmqsync-sub-{id(self)}"
-        self._pipe_in.bind(self._pipe_addr)
+        self._terminating = False
+        # `acks` is used by the agent and, in manual mode, by the user's thread (ACK after
+        # poll()); both send under this lock.
+        self._send_lock = threading.Lock()
+        # The agent blocks in recv() on its SUB socket, which is also connected to this
+        # inproc PUB: close() wakes it with one frame (see `_loop`).
+        self._wake = self.ctx.socket(zmq.PUB)
+        self._wake.linger = 0
+        self._wake_addr = f"inproc://zmqsync-sub-wake-{id(self)}"
+        self._wake.bind(self._wake_addr)
         self._thread = threading.Thread(
             target=self._run, name=f"zmqsync-sub-{sub.name}", daemon=True
         )
@@ -559,28 +566,31 @@ class _Agent:
             self.stop()
             raise failure
 
-    def command(self, cmd: bytes) -> None:
-        with self._pipe_lock:
-            if not self._pipe_in.closed:
-                self._pipe_in.send(cmd)
+    def wake(self) -> None:
+        with self._send_lock:
+            if not self._wake.closed:
+                self._wake.send(_WAKE)
+
+    def ack_from_user(self, version: int, bus: str) -> None:
+        """Manual mode: ACK what the user's thread just applied (if still on that bus)."""
+        if bus == self.sub._bus:
+            self._ack(version)
 
     def stop(self) -> None:
         if self._thread.is_alive():
-            self.command(b"term")
+            self._terminating = True
+            self.wake()
             self._thread.join(_config.THREAD_JOIN_S)
             if self._thread.is_alive():
                 log.warning("subscriber agent thread did not stop within its deadline")
-        with self._pipe_lock:
-            self._pipe_in.close()
+        with self._send_lock:
+            self._wake.close()
         self.ctx.destroy(linger=0)
 
     # --- agent thread ---
 
     def _run(self) -> None:
         sub = self.sub
-        self.pipe = self.ctx.socket(zmq.PAIR)
-        self.pipe.linger = 0
-        self.pipe.connect(self._pipe_addr)
         try:
             self._handshake(self._deadline, attempts=_config.HANDSHAKE_ATTEMPTS)
         except BaseException as exc:
@@ -600,9 +610,10 @@ class _Agent:
                 sub._cond.notify_all()
 
     def _close_sockets(self) -> None:
-        for sock in (self.pipe, self.events, self.acks):
-            if sock is not None:
-                sock.close()
+        with self._send_lock:
+            for sock in (self.events, self.acks):
+                if sock is not None:
+                    sock.close()
 
     def _handshake(self, deadline: Deadline, attempts: int) -> None:
         sub = self.sub
@@ -620,13 +631,13 @@ class _Agent:
             reply = self._request_welcome(hello, deadline, attempts)
             sub._adopt(reply, hello, forced=fallback)
         events = resolve_endpoint(sub.address, reply.events)
-        self._subscribe(events, deadline)
-        if self.acks is not None:
-            self.acks.close()
-        self.acks = connect(
-            self.ctx, zmq.PUSH, resolve_endpoint(sub.address, reply.acks), sub._secure
-        )
-        self.acks.setsockopt(zmq.SNDHWM, 10_000)
+        self._subscribe(events, deadline, reply.heartbeat)
+        acks = connect(self.ctx, zmq.PUSH, resolve_endpoint(sub.address, reply.acks), sub._secure)
+        acks.setsockopt(zmq.SNDHWM, 10_000)
+        with self._send_lock:  # the user's thread may be sending a manual-mode ACK
+            if self.acks is not None:
+                self.acks.close()
+            self.acks = acks
         self.session, self.last_seq, self.heartbeat = reply.session, reply.seq, reply.heartbeat
         self.last_heard = time.monotonic()
         with sub._cond:
@@ -672,72 +683,59 @@ class _Agent:
         resolve_endpoint(sub.address, reply.acks)
         return reply
 
-    def _subscribe(self, endpoint: str, deadline: Deadline) -> None:
+    def _subscribe(self, endpoint: str, deadline: Deadline, heartbeat: float) -> None:
         """Connect SUB and wait until the publisher confirms the subscription is live."""
         if self.events is not None:
             self.events.close()
         self.events = connect(self.ctx, zmq.SUB, endpoint, self.sub._secure)
         self.events.setsockopt(zmq.SUBSCRIBE, b"")
         self.events.setsockopt(zmq.RCVHWM, 100_000)
+        self.events.connect(self._wake_addr)
+        # The loop's longest wait: a fraction of a beat, and short enough that a lost
+        # wake-up frame still lets close() finish soon.
+        self.events.rcvtimeo = max(1, int(min(heartbeat / 2, _WAIT_CAP_S) * 1000))
         while self.events.poll(deadline.poll_ms(cap_s=self.sub._timeout)) & zmq.POLLIN:
             if self.events.recv() == XPUB_WELCOME:
                 return
         raise ConnectTimeout(f"no subscription confirmation from {endpoint} in time")
 
     def _loop(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self.pipe, zmq.POLLIN)
-        registered = self.events
-        if registered is not None:
-            poller.register(registered, zmq.POLLIN)
+        # One blocking recv() on the SUB socket, not a poller over several sockets: a
+        # zmq_poll per version cost a worker ~20 us of CPU, as much as the rest of a raw
+        # round trip. The socket's RCVTIMEO bounds the wait (heartbeats, the LOST
+        # state's retries), and close() wakes it through the inproc PUB it is also
+        # connected to.
         next_beat = time.monotonic()
-        while True:
-            if self.events is not registered:  # re-handshaken: a new SUB socket
-                if registered is not None:
-                    with contextlib.suppress(KeyError):
-                        poller.unregister(registered)
-                registered = self.events
-                if registered is not None:
-                    poller.register(registered, zmq.POLLIN)
-            wait_ms = max(0, int((next_beat - time.monotonic()) * 1000)) + 1
-            ready = dict(poller.poll(wait_ms))
-            if self.pipe in ready and not self._on_commands():
-                return
-            if registered is not None and registered in ready:
-                self._on_events()
+        while not self._terminating:
+            events = self.events
+            if events is None:  # not subscribed (between handshake attempts)
+                time.sleep(min(self.heartbeat, _WAIT_CAP_S))
+            else:
+                try:
+                    frame = events.recv()
+                except zmq.Again:  # RCVTIMEO: time to look at the clock
+                    pass
+                else:
+                    self._on_events(events, frame)
             now = time.monotonic()
             if now >= next_beat:
                 self._tick(now)
                 next_beat = now + self.heartbeat
+        self._send(Bye(self.sub._bus, self.sub.worker_id, self.session), linger_ms=200)
 
-    def _on_commands(self) -> bool:
-        sub = self.sub
-        while self.pipe.poll(0):
-            cmd = self.pipe.recv().split()
-            if cmd[0] == b"term":
-                self._send(Bye(sub._bus, sub.worker_id, self.session), linger_ms=200)
-                return False
-            if cmd[0] == b"ack" and cmd[2].decode() == sub._bus:
-                self._ack(int(cmd[1]))
-        return True
-
-    def _on_events(self) -> None:
-        assert self.events is not None
-        events = self.events
-        for i in range(_config.ACK_DRAIN_MAX):
-            # Poll said a frame is there; after it, ask before reading: ending each drain
-            # with a raised zmq.Again cost ~9% of a worker's CPU per version (hot path).
-            # Plain ints: zmq.POLLIN is an IntFlag, and `&` on one is a Python call.
-            if i and not events.getsockopt(_EVENTS) & _POLLIN:  # type: ignore[operator]
-                return
-            try:
-                frame = events.recv(_NOBLOCK)
-            except zmq.Again:
-                return
-            if frame != XPUB_WELCOME:
+    def _on_events(self, events: zmq.Socket[bytes], frame: bytes) -> None:
+        """Handle `frame`, then whatever else is queued (up to ACK_DRAIN_MAX frames)."""
+        for _ in range(_config.ACK_DRAIN_MAX):
+            if frame != XPUB_WELCOME and frame != _WAKE:
                 self._on_event(frame)
-            if self.events is not events:  # re-handshaken while handling the frame
+            if self.events is not events or self._terminating:  # re-handshaken, closing
                 return
+            # Ask before reading: ending each drain with a raised zmq.Again cost ~9% of
+            # a worker's CPU per version. Plain ints: zmq.POLLIN is an IntFlag, and `&`
+            # on one is a Python call.
+            if not events.getsockopt(_EVENTS) & _POLLIN:  # type: ignore[operator]
+                return
+            frame = events.recv(_NOBLOCK)
 
     def _on_event(self, frame: bytes) -> None:
         sub = self.sub
@@ -809,11 +807,13 @@ class _Agent:
         self._send(Ack(self.sub._bus, self.sub.worker_id, self.session, version))
 
     def _send(self, msg: Ack | Bye | Heartbeat, linger_ms: int = 0) -> None:
-        if self.acks is None or not self.session:
-            return
-        try:
-            self.acks.send(encode(msg), zmq.NOBLOCK)
-        except zmq.Again:
-            log.debug("acks queue full: %s dropped", msg.TYPE)
-        if linger_ms:
-            self.acks.linger = linger_ms
+        frame = encode(msg)
+        with self._send_lock:
+            if self.acks is None or self.acks.closed or not self.session:
+                return
+            try:
+                self.acks.send(frame, _NOBLOCK)
+            except zmq.Again:
+                log.debug("acks queue full: %s dropped", msg.TYPE)
+            if linger_ms:
+                self.acks.linger = linger_ms
