@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
@@ -173,9 +173,12 @@ class ModuleReader:
 
     REWALK_S = 1.0
 
-    def __init__(self, module: torch.nn.Module) -> None:
+    def __init__(self, module: torch.nn.Module, keys: Iterable[Key] = ()) -> None:
+        """`keys`: key objects to reuse (the layout's): comparing a read's keys with the
+        layout's then costs one identity check per key, not a tuple comparison."""
         _watch_structure()
         self._module = module
+        self._keys = {key: key for key in keys}
         self._plan: list[tuple[Key, dict[str, Any], str]] = []
         self._generation = -1
         self._walked_at = -math.inf
@@ -190,7 +193,7 @@ class ModuleReader:
             if flat and all(t is not None for t in flat.values()):
                 return flat
         self._generation = _structure[0]
-        self._plan = _module_plan(self._module)
+        self._plan = [(self._keys.get(k, k), o, n) for k, o, n in _module_plan(self._module)]
         self._walked_at = now
         if not self._plan:
             raise ValueError("weights hold no tensors: nothing to publish")

@@ -216,7 +216,6 @@ class Publisher:
         Deadline(timeout)  # validates
         self._source = weights
         # a module is re-read at each publish; the reader keeps where its tensors live
-        self._reader = ModuleReader(weights) if isinstance(weights, torch.nn.Module) else None
         flat = flatten(weights)
         placed = {key: _tensor_device(t) for key, t in flat.items()}
         self._devices = set(placed.values())
@@ -233,6 +232,11 @@ class Publisher:
         self._cuda_devices = cuda
         self._layout = Layout.of(
             flat, {key: index[d] for key, d in placed.items() if d != "cpu"} if cuda else None
+        )
+        self._reader = (
+            ModuleReader(weights, (spec.key for spec in self._layout.specs))
+            if isinstance(weights, torch.nn.Module)
+            else None
         )
         self._address_arg = address
         self._slots = slots
