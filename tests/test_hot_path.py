@@ -1,0 +1,183 @@
+"""What the hot path caches and shares must never change what a worker computes with.
+
+The publisher keeps where a module's tensors live (`ModuleReader`) and groups its copies;
+the subscriber keeps per-slot copy plans and alias setters; the publishing thread sends
+RECEIVE and reads acks itself while the agent drains the rest. Each shortcut is checked
+here against the plain behaviour, with real sockets and shared memory.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+import zmqsync
+from zmqsync._layout import ModuleReader, flatten
+
+
+class Tricky(torch.nn.Module):
+    """A shared submodule, a tied weight, a None bias, a non-persistent buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        shared = torch.nn.Linear(3, 3)
+        self.a = shared
+        self.b = shared
+        self.c = torch.nn.Linear(3, 3, bias=False)
+        self.c.weight = self.a.weight
+        self.d = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.ReLU(), torch.nn.Linear(2, 1))
+        self.norm = torch.nn.BatchNorm1d(3)
+        self.register_buffer("scratch", torch.zeros(4), persistent=False)
+
+
+def _named(module: torch.nn.Module) -> dict[tuple[str, ...], torch.Tensor]:
+    items = [*module.named_parameters(), *module.named_buffers()]
+    return {tuple(name.split(".")): t for name, t in items}
+
+
+def test_reader_matches_named_parameters_then_buffers():
+    model = Tricky()
+    read = ModuleReader(model).read()
+    expected = _named(model)
+    assert list(read) == list(expected), "same keys, same order, same de-duplication"
+    assert all(read[k] is expected[k] for k in expected)
+    assert list(flatten(model)) == list(expected)
+
+
+def test_reader_sees_a_new_parameter_and_a_replaced_submodule():
+    model = Tricky()
+    reader = ModuleReader(model)
+    reader.read()
+    model.d[0].weight = torch.nn.Parameter(torch.ones(2, 3))
+    assert reader.read()[("d", "0", "weight")] is model.d[0].weight
+    model.d[2] = torch.nn.Linear(2, 1)
+    assert reader.read()[("d", "2", "bias")] is model.d[2].bias
+
+
+def test_reader_sees_a_change_made_behind_torchs_back(monkeypatch):
+    model = Tricky()
+    reader = ModuleReader(model)
+    reader.read()
+    replacement = torch.nn.Linear(3, 2)
+    model.d._modules["0"] = replacement  # no registration hook fires
+    monkeypatch.setattr(ModuleReader, "REWALK_S", 0.0)
+    assert reader.read()[("d", "0", "weight")] is replacement.weight
+
+
+def test_reader_notices_a_deleted_or_emptied_entry():
+    model = Tricky()
+    reader = ModuleReader(model)
+    reader.read()
+    model.d[0].bias = None
+    assert ("d", "0", "bias") not in reader.read()
+    del model.norm.running_mean
+    assert ("norm", "running_mean") not in reader.read()
+
+
+def test_publish_reads_a_replaced_submodule(name):
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    worker_model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    with (
+        zmqsync.Publisher(model, name=name, timeout=20) as pub,
+        zmqsync.Subscriber(name=name, model=worker_model) as sub,
+    ):
+        pub.publish()
+        model[1] = torch.nn.Linear(4, 2)  # a new module, new tensors
+        with torch.no_grad():
+            model[1].weight.fill_(7.0)
+        pub.publish()
+        assert sub.wait_for_version(pub.version, timeout=20)
+        assert torch.equal(worker_model[1].weight, torch.full((2, 4), 7.0))
+
+
+def test_publish_of_a_removed_tensor_is_a_layout_mismatch(name):
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    with zmqsync.Publisher(model, name=name, timeout=20) as pub:
+        model[1].bias = None
+        with pytest.raises(zmqsync.LayoutMismatch, match="missing key"):
+            pub.publish()
+
+
+class Wide(torch.nn.Module):
+    """A tensor large enough for the memmove path, a non-contiguous one, small ones."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.big = torch.nn.Parameter(torch.zeros(600, 512))  # 1.2 MB
+        self.bent = torch.nn.Parameter(torch.zeros(8, 6).t())  # not contiguous
+        self.small = torch.nn.Linear(5, 5)
+        self.register_buffer("steps", torch.zeros((), dtype=torch.int64))
+
+
+@pytest.mark.parametrize("mode", ["copy", "alias"])
+def test_every_copy_path_delivers_exact_values(name, mode):
+    trainer, worker = Wide(), Wide()
+    assert not worker.bent.is_contiguous()
+    with (
+        zmqsync.Publisher(trainer, name=name, timeout=20) as pub,
+        zmqsync.Subscriber(name=name, model=worker, mode=mode) as sub,
+    ):
+        for step in range(1, 5):  # both slots, each plan used twice
+            with torch.no_grad():
+                for i, t in enumerate(flatten(trainer).values()):
+                    t.copy_(torch.randn(t.shape).mul(step + i) if t.is_floating_point() else step)
+            pub.publish()
+            assert sub.wait_for_version(pub.version, timeout=20)
+            for key, expected in flatten(trainer).items():
+                assert torch.equal(flatten(worker)[key], expected), (step, key)
+
+
+def test_many_threads_publish_and_wait_at_once(name):
+    model = torch.nn.Linear(8, 8)
+    errors: list[BaseException] = []
+    with (
+        zmqsync.Publisher(model, name=name, timeout=20, slots=3) as pub,
+        zmqsync.Subscriber(name=name, model=torch.nn.Linear(8, 8), mode="alias") as sub1,
+        zmqsync.Subscriber(name=name, model=torch.nn.Linear(8, 8)) as sub2,
+    ):
+
+        def publisher_thread() -> None:
+            try:
+                for _ in range(25):
+                    handle = pub.publish(wait=False)
+                    assert handle.wait(timeout=20).missing == ()
+            except BaseException as exc:  # reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=publisher_thread) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        assert not errors, errors
+        assert pub.version == 100
+        assert sub1.wait_for_version(100, timeout=20) and sub2.wait_for_version(100, timeout=20)
+
+
+def test_acks_nobody_waits_for_are_still_collected(name):
+    with (
+        zmqsync.Publisher(torch.nn.Linear(4, 4), name=name, timeout=20) as pub,
+        zmqsync.Subscriber(name=name, model=torch.nn.Linear(4, 4)) as sub,
+    ):
+        handle = pub.publish(wait=False)
+        assert sub.wait_for_version(handle.version, timeout=20)
+        deadline = time.monotonic() + 10
+        while not handle.done() and time.monotonic() < deadline:
+            time.sleep(0.005)  # the agent drains the acks socket by itself
+        assert handle.done()
+        assert pub.workers[sub.worker_id].version == handle.version
+
+
+def test_subscriber_close_does_not_wait_for_a_long_heartbeat(name):
+    with zmqsync.Publisher(torch.nn.Linear(4, 4), name=name, heartbeat=60) as pub:
+        sub = zmqsync.Subscriber(name=name, model=torch.nn.Linear(4, 4)).start()
+        started = time.monotonic()
+        sub.close()
+        assert time.monotonic() - started < 3, "close() wakes the agent's blocking recv"
+        deadline = time.monotonic() + 10
+        while pub.workers and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not pub.workers, "the BYE was sent"
