@@ -293,7 +293,9 @@ def test_hung_relay_is_dropped_within_the_deadline_and_rejoins(name, hosts):
         assert not p.missing
         for proc in (ra, rb):
             proc.wait_for(lambda r: r.get("event") == "published" and r["version"] == 5, 30)
-        assert root.counters.get("timeouts", 0) + root.counters.get("transfer_failures", 0) >= 1
+        # dropped by whichever fired first: the deadline, a failed collective, or silence
+        detected = ("timeouts", "transfer_failures", "lost")
+        assert sum(root.counters.get(what, 0) for what in detected) >= 1, root.counters
 
 
 def _free_port() -> int:
