@@ -150,7 +150,8 @@ def _print_state(state: Any) -> None:
             str(w.pid),
             w.host,
             w.mode,
-            w.transport,
+            # why a worker reads the CPU copy of CUDA weights, when it does
+            f"{w.transport} ({w.transport_note})" if w.transport_note else w.transport,
             str(w.version),
             str(lag),
             f"{w.last_seen:.2f} s ago",
