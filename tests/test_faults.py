@@ -301,3 +301,40 @@ def test_a_forked_child_does_not_close_the_parents_bus(name, bus_dirs):
         os.waitpid(pid, 0)
         assert len(os.listdir(shm)) == 1
         assert pub.publish().acked == (sub.worker_id,)
+
+
+def test_a_segment_gone_before_the_rejoin_maps_it_is_retried(name, bus_dirs, monkeypatch):
+    """The soak's one hang: a WELCOME names a segment that a restarted publisher's garbage
+    collection removes before the worker maps it. The re-handshake must try again."""
+    from zmqsync._buffers import cpu
+
+    real_attach = cpu.CpuAttachment.attach.__func__
+    vanished: list[str] = []
+
+    def attach_after_the_file_vanished(cls, info, **options):
+        if armed.is_set() and not vanished:  # the file disappears between WELCOME and open
+            path = os.path.join(options["shm_dir"], info.segment)
+            os.rename(path, path + ".away")
+            vanished.append(path)
+            try:
+                return real_attach(cls, info, **options)
+            finally:
+                os.rename(path + ".away", path)
+        return real_attach(cls, info, **options)
+
+    armed = threading.Event()
+    monkeypatch.setattr(cpu.CpuAttachment, "attach", classmethod(attach_after_the_file_vanished))
+    with zmqsync.Publisher({"w": torch.zeros(4)}, name=name, heartbeat=HB, timeout=10) as pub:
+        sub = zmqsync.Subscriber(name=name, apply="manual").start()
+        try:
+            pub.close()  # the bus goes away; the worker is lost and keeps trying
+            armed.set()
+            with zmqsync.Publisher({"w": torch.ones(4)}, name=name, heartbeat=HB) as again:
+                assert again.wait_for_workers(1, timeout=20)
+                again.publish(wait=False)
+                assert sub.wait_for_version(1, timeout=20), "the worker re-joined the new bus"
+                assert vanished, "its first attempt met a vanished segment"
+                assert sub.connected and sub._failure is None
+                assert torch.equal(sub.weights["w"], torch.ones(4))
+        finally:
+            sub.close()

@@ -49,7 +49,7 @@ from ._apply import Target
 from ._buffers import CpuAttachment, CudaAttachment
 from ._buffers import cuda as _cuda
 from ._deadline import Deadline
-from ._errors import ClosedError, ConnectTimeout, ProtocolError, ZmqSyncError
+from ._errors import BufferUnavailable, ClosedError, ConnectTimeout, ProtocolError, ZmqSyncError
 from ._layout import Key, Layout, flatten
 from ._protocol import Ack, Bye, Error, Heartbeat, Hello, Receive, Stop, Welcome, decode, encode
 from ._publisher import DEFAULT, XPUB_WELCOME
@@ -791,7 +791,10 @@ class _Agent:
             log.info(
                 "subscriber %s re-joined %s at version %d", sub.worker_id, sub.address, sub._version
             )
-        except (ConnectTimeout, ProtocolError) as exc:
+        except (ConnectTimeout, ProtocolError, BufferUnavailable) as exc:
+            # BufferUnavailable: the segment a WELCOME named is gone — its publisher was
+            # killed and the next one's start collected it. The next attempt gets the
+            # new publisher's WELCOME; giving up here would strand the worker for good.
             log.debug("re-handshake failed: %s", exc)
 
     def _lose(self, why: str) -> None:
