@@ -93,7 +93,7 @@ class Target:
             self._copy_plans[id(views)] = plan
         _run_copy_plan(plan[1])
 
-    def alias_to(self, views: Mapping[Key, torch.Tensor]) -> None:
+    def alias_to(self, views: dict[Key, torch.Tensor]) -> None:
         """Point the model's tensors at one slot: one ``.data`` or dict store per tensor.
 
         The owners (parameter objects, buffer dicts) are found once per slot, not on
@@ -105,7 +105,7 @@ class Target:
             self._binders[id(views)] = binders
         for bind, view in binders[1]:
             bind(view)
-        self.tensors = dict(views)
+        self.tensors = views  # the slot's views, built once and never changed: no copy
 
     def forget_views(self) -> None:
         """Drop what was prepared for the old slot views (they pin the old mapping)."""

@@ -64,7 +64,7 @@ from ._protocol import (
 )
 from ._registry import Registry, WorkerInfo
 from ._security import Authenticator, CurveServer, require_security
-from ._sockets import bind, connect, protect_ipc, sibling_endpoint
+from ._sockets import RCVMORE, bind, connect, protect_ipc, readable, sibling_endpoint
 from ._transport import registered
 
 __all__ = ["DEFAULT", "Publish", "Publisher"]
@@ -84,7 +84,6 @@ XPUB_WELCOME = b"\x00zmqsync-subscribed"  # first frame a new SUB gets: its subs
 # How long a publishing thread reads acks itself before leaving the rest to the agent.
 # The agent's heartbeats and evictions wait that long at most; fast publishes never leave.
 FAST_COLLECT_S = 0.02
-_EVENTS, _POLLIN, _RCVMORE = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.RCVMORE)
 IO_LOCK_S = 30.0  # the agent holds `_io` for one bounded step; longer means it is stuck
 _COLLECT_WAIT_S = 0.005  # longest blocking recv while collecting acks
 
@@ -739,12 +738,19 @@ class _Agent:
             with self.pub._cond:
                 self.pub._cond.notify_all()
         finally:
-            with self.pub._io:  # a publishing thread may be using them
-                self.closed = True
-                bound = [self.control, *self._shared()]
-                endpoints = [s.getsockopt_string(zmq.LAST_ENDPOINT) for s in bound]
-                for sock in (self.pipe, *bound):
-                    sock.close()
+            bound = [self.control, *self._shared()]
+            control = self.control.getsockopt_string(zmq.LAST_ENDPOINT)  # the others: cached
+            endpoints = [control, *(e for e in self.endpoints.values() if e)]
+            # A publishing thread may be using them; it holds `_io` for one bounded step.
+            if self.pub._io.acquire(timeout=IO_LOCK_S):
+                try:
+                    self.closed = True
+                    for sock in (self.pipe, *bound):
+                        sock.close()
+                finally:
+                    self.pub._io.release()
+            else:  # left to the context's destroy in stop()
+                log.warning("publisher agent: sockets still in use at exit; not closed here")
             for endpoint in endpoints:  # libzmq leaves ipc socket files behind
                 if endpoint.startswith("ipc://"):
                     with contextlib.suppress(FileNotFoundError):
@@ -1044,14 +1050,12 @@ class _Agent:
         for _ in range(_config.ACK_DRAIN_MAX):
             if first is not None:
                 frame, first = first, None
-            # Ask before reading: a raised zmq.Again per drain was a hot-path cost. Plain
-            # ints: zmq.POLLIN is an IntFlag, and `&` on one is a Python call.
-            elif acks.getsockopt(_EVENTS) & _POLLIN:  # type: ignore[operator]
+            elif readable(acks):
                 frame = acks.recv()
             else:
                 break
             more = False
-            while acks.getsockopt(_RCVMORE):  # multipart is not ours: read it all, drop
+            while acks.getsockopt(RCVMORE):  # multipart is not ours: read it all, drop
                 acks.recv()
                 more = True
             try:
@@ -1111,7 +1115,7 @@ class _Agent:
     def _drain_subscriptions(self, sock: zmq.Socket[bytes]) -> None:
         """XPUB subscription frames: read and dropped (the welcome frame did the work)."""
         for _ in range(_config.ACK_DRAIN_MAX):
-            if not sock.getsockopt(_EVENTS) & _POLLIN:  # type: ignore[operator]
+            if not readable(sock):
                 return
             sock.recv()
 

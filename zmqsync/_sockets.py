@@ -20,10 +20,13 @@ from ._errors import ConnectTimeout, ProtocolError
 from ._protocol import Message, decode, encode
 
 __all__ = [
+    "NOBLOCK",
+    "RCVMORE",
     "Secure",
     "bind",
     "connect",
     "protect_ipc",
+    "readable",
     "request",
     "resolve_endpoint",
     "sibling_endpoint",
@@ -32,6 +35,17 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 Secure = Callable[[zmq.Socket[bytes]], None] | None  # applies CURVE options, or None
+
+# Plain ints for the hot paths: zmq.POLLIN and friends are IntFlag members, and `&` or a
+# flag argument built from one is a Python-level call per message.
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
+NOBLOCK, RCVMORE = int(zmq.NOBLOCK), int(zmq.RCVMORE)
+
+
+def readable(sock: zmq.Socket[bytes]) -> bool:
+    """Whether a frame waits on `sock`. Asking first is cheaper than ending every drain
+    with a raised zmq.Again (that exception was ~9% of a worker's CPU per version)."""
+    return bool(sock.getsockopt(_EVENTS) & _POLLIN)  # type: ignore[operator]
 
 
 def connect(

@@ -54,7 +54,7 @@ from ._layout import Key, Layout, flatten
 from ._protocol import Ack, Bye, Error, Heartbeat, Hello, Receive, Stop, Welcome, decode, encode
 from ._publisher import DEFAULT, XPUB_WELCOME
 from ._security import CurveClient, client_from_env
-from ._sockets import connect, request, resolve_endpoint
+from ._sockets import NOBLOCK, connect, readable, request, resolve_endpoint
 from ._transport import (
     Decision,
     Facts,
@@ -70,7 +70,6 @@ __all__ = ["Reading", "Subscriber"]
 
 log = logging.getLogger(__name__)
 _APPLY_ATTEMPTS = 100
-_EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)
 _WAKE = b"\x01"  # from the subscriber's own inproc PUB: look at the flags (never a message)
 _WAIT_CAP_S = 0.1
 
@@ -730,12 +729,9 @@ class _Agent:
                 self._on_event(frame)
             if self.events is not events or self._terminating:  # re-handshaken, closing
                 return
-            # Ask before reading: ending each drain with a raised zmq.Again cost ~9% of
-            # a worker's CPU per version. Plain ints: zmq.POLLIN is an IntFlag, and `&`
-            # on one is a Python call.
-            if not events.getsockopt(_EVENTS) & _POLLIN:  # type: ignore[operator]
+            if not readable(events):
                 return
-            frame = events.recv(_NOBLOCK)
+            frame = events.recv(NOBLOCK)
 
     def _on_event(self, frame: bytes) -> None:
         sub = self.sub
@@ -815,7 +811,7 @@ class _Agent:
             if self.acks is None or self.acks.closed or not self.session:
                 return
             try:
-                self.acks.send(frame, _NOBLOCK)
+                self.acks.send(frame, NOBLOCK)
             except zmq.Again:
                 log.debug("acks queue full: %s dropped", msg.TYPE)
             if linger_ms:
