@@ -558,3 +558,65 @@ def test_rendezvous_urls():
     for bad in ("tcp://host", "tcp://h:port", "file:///tmp/x", "tcp://h:70000"):
         with pytest.raises(ValueError):
             relay_mod._rendezvous(bad)
+
+
+@pytest.mark.timeout(120)
+def test_data_channel_carries_versions_drops_garbage_and_falls_back(name, bus_dirs):
+    """Notices and reports go straight between the root's relay thread and the relay's
+    data thread; hostile frames there are dropped and counted; a relay whose data
+    channel is down still gets every version through the control channel."""
+    import zmq
+
+    runtime, _ = bus_dirs
+    local = f"ipc://{runtime}/data.sock"
+    with (
+        zmqsync.Publisher({"w": torch.zeros(4096)}, name=name, timeout=20, heartbeat=HB) as pub,
+        zmqsync.RelayRoot(
+            name=name, init_method="tcp://127.0.0.1:0", ack="tree", timeout=8, heartbeat=HB
+        ) as root,
+        zmqsync.Relay(
+            local, name=name, init_method=root.init_method_url, heartbeat=HB, timeout=2.0
+        ) as relay,
+        zmqsync.Subscriber(local, name=name, mode="copy") as sub,
+    ):
+        assert relay.wait_for_version(0, timeout=30)
+        for v in range(1, 4):
+            assert not pub.publish(weights={"w": torch.full((4096,), float(v))}).missing
+            assert relay.version == v and sub.wait_for_version(v, timeout=10)
+        assert root.counters["data_notices"] >= 3
+        # the relay posted its receives before the notices came (slots freed in time)
+        assert relay.counters["preposted"] >= 1
+        # hostile frames on the data ROUTER: not msgpack, a pickle, another message type,
+        # a report of a session that does not exist
+        ctx = zmq.Context()
+        try:
+            evil = ctx.socket(zmq.DEALER)
+            evil.linger = 0
+            evil.connect(root._data_endpoint)
+            stale = relay_mod._Report("f" * 16, "acked", 1, 99, "2" * 16, 99, (), "")
+            for frame in (
+                b"garbage",
+                b"\x80\x04\x95cos\nsystem\n",
+                relay_mod._encode(relay_mod._Bye("1" * 16)),
+                relay_mod._encode(stale),
+                b"two",
+            ):
+                evil.send(frame)
+            evil.send_multipart([b"a", b"b"])
+            assert not pub.publish(weights={"w": torch.full((4096,), 4.0)}).missing
+            assert relay.version == 4
+        finally:
+            ctx.destroy(linger=0)
+        assert _wait(lambda: root.counters.get("rejected", 0) >= 5, 10, "rejected frames")
+        assert root.counters.get("stale", 0) >= 1
+        # the relay's data thread drops its connection: notices take the control channel
+        assert relay._agent is not None
+        relay._agent.data_endpoint = ""
+        time.sleep(0.2)  # the data thread closes its DEALER within one inbox slice
+        before = root.counters.get("control_notices", 0)
+        for v in range(5, 8):
+            assert not pub.publish(weights={"w": torch.full((4096,), float(v))}).missing
+            assert relay.version == v and sub.wait_for_version(v, timeout=10)
+        assert root.counters["control_notices"] >= before + 3
+        assert torch.equal(sub.weights["w"], torch.full((4096,), 7.0))
+        assert root.counters.get("transfer_failures", 0) == 0

@@ -1,10 +1,10 @@
 """Relays: carry a bus's versions to the buses of other hosts over torch.distributed.
 
 Shared memory ends at the host. A `RelayRoot` on the trainer's host and one `Relay` per
-other host form a *tree*: the root reads each version of the root bus and broadcasts its
-flat slot bytes with torch.distributed (gloo for CPU tensors, NCCL through a CUDA staging
-buffer); each relay lands the bytes in a free slot of its own host's bus and publishes
-them there under the same version number::
+other host form a *tree*: the root reads each version of the root bus and sends its
+flat slot bytes to every relay with torch.distributed (gloo for CPU tensors, NCCL through
+a CUDA staging buffer); each relay lands the bytes in a free slot of its own host's bus
+and publishes them there under the same version number::
 
     host A (root)                             host B, C, ... (one relay each)
     trainer: Publisher("policy")              Relay(name="policy")
@@ -16,23 +16,29 @@ Three planes, each with the tool made for it:
 
 * **rendezvous**: a torch ``TCPStore`` hosted by the root at ``MASTER_ADDR:MASTER_PORT``
   (``init_method="env://"``, the default, or ``"tcp://host:port"``). It also tells relays
-  where the control socket is.
-* **control**: ZeroMQ, ROUTER at the root, DEALER at each relay: join, generations,
-  "version v follows" notices, reports, heartbeats. msgpack maps validated field by
-  field below; nothing received is ever unpickled. The TCPStore and gloo themselves have
-  no authentication: run relays on a trusted cluster network (a non-loopback address
-  needs ``insecure=True``, stated explicitly).
+  where the two ZeroMQ sockets are.
+* **control**: ZeroMQ, ROUTER at the root, DEALER at each relay, both owned by agent
+  threads: join, generations, heartbeats, reports. Per version, a second pair carries
+  the "version v is on its way" notice and the relay's reports straight between the
+  threads that act on them (the root's relay thread, the relay's data and wait threads):
+  each thread hand-off cost 0.1–0.3 ms on two busy cores, and a 4 MiB version had five.
+  msgpack maps validated field by field below; nothing received is ever unpickled. The
+  TCPStore and gloo themselves have no authentication: run relays on a trusted cluster
+  network (a non-loopback address needs ``insecure=True``, stated explicitly).
 * **data**: one torch.distributed process group per *generation*, built directly on a
   ``PrefixStore`` (never the global default group, which the trainer may use for its own
-  training): a small header tensor, then the slot bytes in chunks, one collective each,
-  each with a timeout.
+  training): a small header tensor, then the slot bytes in chunks, each a send/recv pair
+  from the root to each relay, each wait with a timeout. A relay posts the receives of
+  the next version ahead, into a free slot (a posted gloo receive has no deadline; only
+  waiting for it has), so the bytes move the moment the root sends them, not once the
+  notice crossed two processes.
 
 Theory of operation (the invariants the code keeps):
 
-1. **Collectives never run on a thread that must stay responsive.** torch.distributed
-   collectives do not time out gracefully on their own (gloo raises after the group's
-   timeout and leaves the group unusable; NCCL, without its watchdog, waits forever;
-   ``abort()`` on a gloo group hangs). So the root runs them on a per-generation
+1. **Collectives are never waited for on a thread that must stay responsive.**
+   torch.distributed collectives do not time out gracefully on their own (gloo raises
+   after the group's timeout and leaves the group unusable; NCCL, without its watchdog,
+   waits forever; ``abort()`` on a gloo group hangs). So the root runs them on a per-generation
    executor thread and waits for them with a `Deadline`; a relay runs them on its data
    thread. Every collective carries a timeout (``collective_timeout``, by default about
    the time it takes to declare a silent relay lost), which bounds how long a hung peer
@@ -118,7 +124,7 @@ from ._protocol import (
 )
 from ._publisher import Publish, Publisher
 from ._security import is_loopback
-from ._sockets import bind, connect, protect_ipc, request, sibling_endpoint
+from ._sockets import NOBLOCK, bind, connect, protect_ipc, readable, request, sibling_endpoint
 from ._subscriber import Subscriber
 
 __all__ = ["Relay", "RelayInfo", "RelayRoot", "Relayed", "inspect_relays"]
@@ -133,6 +139,11 @@ MAX_RELAYS = 4096
 _OPS_IN_FLIGHT = 2  # chunk collectives posted ahead (gloo runs them on its own threads)
 _ROOT_CLOSED = "relay root closed"
 _LATE_FACTOR = 3  # on_timeout="raise": how many more deadlines to wait for late relays
+# The relay thread waits for reports on the data channel in slices this long, then looks
+# at what the agent thread changed (a relay lost, a failure reported on the control channel)
+_REPORT_POLL_S = 0.005
+_FINISH_POLL_S = 0.0005  # every relay has the version; gloo's send is finishing
+_INBOX_POLL_S = 0.01  # a relay's data thread: agent messages wait at most this long
 
 
 # --- the control channel: messages, encode, decode --------------------------------------
@@ -517,6 +528,15 @@ def _control_key(name: str) -> str:
     return f"zmqsync/{name}/control"
 
 
+def _data_key(name: str) -> str:
+    return f"zmqsync/{name}/data"
+
+
+def _data_identity(relay_id: str) -> bytes:
+    """The routing id of a relay's data-thread DEALER on the root's data ROUTER."""
+    return relay_id.encode()
+
+
 def _template(manifest: Sequence[TensorSpec]) -> dict[Key, torch.Tensor]:
     """Zero-memory tensors with the manifest's keys, dtypes and shapes (stride-0 views)."""
     return {
@@ -604,10 +624,15 @@ def _check_backend(backend: str, device: str | None) -> torch.device | None:
 
 
 class _Wire:
-    """The collectives of one version: a header, then the slot bytes in chunks.
+    """The transfer of one version: a header, then the slot bytes in chunks, each a
+    send/recv pair from rank 0 to every target rank (tags 0, 1, ...).
 
-    gloo moves the slot bytes directly; NCCL moves them through a CUDA staging buffer
-    of one chunk (the buses are CPU buffers). Every operation gets a timeout.
+    Point to point, not broadcast: a relay posts the receives of the next version into
+    a free slot *before* the root announces it (a posted gloo receive has no timeout;
+    only waiting for it has), so the bytes flow the moment the root sends them instead of
+    after a notice crossed two processes; a broadcast cannot be posted ahead like that.
+    gloo moves the slot bytes directly; NCCL moves them through a CUDA staging buffer of
+    one chunk (the buses are CPU buffers) and cannot post ahead. Every wait has a timeout.
     """
 
     def __init__(
@@ -623,59 +648,37 @@ class _Wire:
         self.device = device
         self._stage: torch.Tensor | None = None
 
-    def _bcast(self, tensor: torch.Tensor) -> Any:
-        opts = dist.BroadcastOptions()
-        opts.rootRank = 0
-        opts.timeout = self.timeout
-        return self.pg.broadcast([tensor], opts)
-
     def header(self, gen: int, version: int, nbytes: int) -> torch.Tensor:
         return torch.tensor([HEADER_MAGIC, gen, version, nbytes], dtype=torch.int64)
 
-    def send(self, flat: torch.Tensor, header: torch.Tensor, dst: int | None) -> None:
-        """Root side: `header` then `flat` to everyone (dst None) or to rank `dst`."""
-        self._run([header, *self._chunks(flat)], dst, send=True)
+    def send(self, flat: torch.Tensor, header: torch.Tensor, ranks: Sequence[int]) -> None:
+        """Root side: `header` then `flat` to every rank in `ranks`, chunk by chunk."""
+        tensors = [header, *self._chunks(flat)]
+        if self.device is not None:
+            self._run_staged(tensors, ranks, send=True)
+            return
+        ops = [(t, rank, tag) for tag, t in enumerate(tensors) for rank in ranks]
+        _Ops(self, ops, send=True, window=_OPS_IN_FLIGHT * len(ranks)).finish()
 
-    def receive(self, into: torch.Tensor, expect: torch.Tensor, p2p: bool) -> None:
-        """Relay side: fill `into`, then check the header that came first against `expect`.
-
-        The data is not waited for behind the header (one round trip less); that is safe
-        because `into` is a slot nobody reads until the caller announces it, which it
-        does only if this returns.
-
-        Raises:
-            _WireError: the header names another generation, version or size.
-        """
-        got = torch.zeros_like(expect)
-        self._run([got, *self._chunks(into)], 0 if p2p else None, send=False)
-        if not torch.equal(got, expect):
-            raise _WireError(
-                f"header {got.tolist()} does not match the announced {expect.tolist()}"
-            )
+    def post_receive(self, into: torch.Tensor) -> _Posted:
+        """Relay side: post the receives of a header and of `into`, all at once (gloo)."""
+        got = torch.zeros(4, dtype=torch.int64)
+        tensors = [got, *self._chunks(into)]
+        if self.device is not None:
+            return _Posted(self, into, got, None, tensors)
+        ops = [(t, 0, tag) for tag, t in enumerate(tensors)]
+        return _Posted(self, into, got, _Ops(self, ops, send=False, window=len(ops)), tensors)
 
     def _chunks(self, flat: torch.Tensor) -> list[torch.Tensor]:
         return [flat[off : off + self.chunk] for off in range(0, flat.numel(), self.chunk)]
 
-    def _run(self, tensors: list[torch.Tensor], peer: int | None, *, send: bool) -> None:
-        """One operation per tensor, in order, `_OPS_IN_FLIGHT` at a time, each with the
-        group's timeout. With NCCL each goes through the CUDA staging buffer."""
-        if self.device is not None:
-            self._run_staged(tensors, peer, send=send)
-            return
-        pending: list[Any] = []
-        for tag, tensor in enumerate(tensors):
-            pending.append(self._op(tensor, peer, tag, send=send))
-            if len(pending) >= _OPS_IN_FLIGHT:
-                pending.pop(0).wait()
-        for work in pending:
-            work.wait()
-
-    def _run_staged(self, tensors: list[torch.Tensor], peer: int | None, *, send: bool) -> None:
+    def _run_staged(self, tensors: list[torch.Tensor], ranks: Sequence[int], *, send: bool) -> None:
         for tag, tensor in enumerate(tensors):
             stage = self._staging(tensor)
             if send:
                 stage.copy_(tensor)
-            self._op(stage, peer, tag, send=send).wait()
+            for rank in ranks:
+                self._op(stage, rank, tag, send=send).wait(self.timeout)
             if not send:
                 tensor.copy_(stage)
 
@@ -685,13 +688,69 @@ class _Wire:
             self._stage = torch.empty(self.chunk, dtype=torch.uint8, device=self.device)
         return self._stage.view(torch.uint8)[: like.numel() * like.element_size()].view(like.dtype)
 
-    def _op(self, tensor: torch.Tensor, peer: int | None, tag: int, *, send: bool) -> Any:
-        """A broadcast from rank 0 (peer None), or a send to / receive from `peer`."""
-        if peer is None:
-            return self._bcast(tensor)
+    def _op(self, tensor: torch.Tensor, peer: int, tag: int, *, send: bool) -> Any:
         if send:
             return self.pg.send([tensor], peer, tag)
         return self.pg.recv([tensor], peer, tag)
+
+
+class _Ops:
+    """Operations (tensor, peer, tag) in order, at most `window` outstanding; the first
+    `window` are posted at once. Each wait carries the wire's timeout."""
+
+    def __init__(
+        self, wire: _Wire, ops: list[tuple[torch.Tensor, int, int]], *, send: bool, window: int
+    ) -> None:
+        self.wire, self.ops, self.send, self.window = wire, ops, send, max(1, window)
+        self.pending: list[Any] = []
+        self.posted = 0
+        self._post()
+
+    def _post(self) -> None:
+        while self.posted < len(self.ops) and len(self.pending) < self.window:
+            tensor, peer, tag = self.ops[self.posted]
+            self.pending.append(self.wire._op(tensor, peer, tag, send=self.send))
+            self.posted += 1
+
+    def finish(self) -> None:
+        while self.pending:
+            self.pending.pop(0).wait(self.wire.timeout)
+            self._post()
+
+
+class _Posted:
+    """A relay's receives of one version, posted (gloo) or to run (NCCL) into `into`."""
+
+    def __init__(
+        self,
+        wire: _Wire,
+        into: torch.Tensor,
+        got: torch.Tensor,
+        ops: _Ops | None,
+        tensors: list[torch.Tensor],
+    ) -> None:
+        self.wire, self.into, self.got, self.ops, self.tensors = wire, into, got, ops, tensors
+        self.slot: int | None = None  # the local bus slot `into` is, if it is one
+
+    def finish(self, gen: int, version: int, nbytes: int) -> None:
+        """Wait for the bytes, then check that the header names this version.
+
+        Raises:
+            _WireError: the header names another generation, version or size, or the
+                transfer failed or timed out.
+        """
+        try:
+            if self.ops is not None:
+                self.ops.finish()
+            else:
+                self.wire._run_staged(self.tensors, (0,), send=False)
+        except RuntimeError as exc:  # torch.distributed: error or timeout
+            raise _WireError(str(exc)) from None
+        expect = self.wire.header(gen, version, nbytes)
+        if not torch.equal(self.got, expect):
+            raise _WireError(
+                f"header {self.got.tolist()} does not match the announced {expect.tolist()}"
+            )
 
 
 class _Group:
@@ -705,6 +764,7 @@ class _Group:
     def __init__(self, gen: int, bus: str, members: dict[str, tuple[str, int]], name: str) -> None:
         self.gen, self.bus, self.members = gen, bus, members  # relay_id -> (session, rank)
         self.pg: Any = None
+        self.wire: _Wire | None = None
         self.broken = False
         self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None] = (
             queue.SimpleQueue()
@@ -739,7 +799,7 @@ class _Group:
                 except BaseException as exc:  # reported to the waiting thread, without
                     future.set_exception(exc.with_traceback(None))  # frames that hold the pg
             del job, fn, future
-        self.pg = None
+        self.pg = self.wire = None
         _release()  # no cycle keeps the group alive: gloo closes its sockets now
 
 
@@ -911,6 +971,9 @@ class RelayRoot:
         self._resources = contextlib.ExitStack()
         self._store: Any = None
         self._agent: _RootAgent | None = None
+        self._data_ctx: zmq.Context[zmq.Socket[bytes]] | None = None
+        self._data: zmq.Socket[bytes] | None = None  # the relay thread's alone
+        self._data_endpoint = ""
         self._feed: Subscriber | None = None
         self._thread: threading.Thread | None = None
         self._manifest: tuple[TensorSpec, ...] = ()
@@ -967,6 +1030,9 @@ class RelayRoot:
             stack.callback(self._agent.stop)  # tells the relays goodbye...
             stack.callback(self._drop_store)  # ...once the store no longer answers them
             self._store.set(_control_key(self.name), self._agent.endpoint)
+            self._open_data_channel()
+            stack.callback(self._close_data_channel)  # after the relay thread stopped
+            self._store.set(_data_key(self.name), self._data_endpoint)
             feed = Subscriber(
                 self.address,
                 name=self.name,
@@ -1035,6 +1101,29 @@ class RelayRoot:
 
     def _drop_store(self) -> None:
         self._store = None
+
+    def _open_data_channel(self) -> None:
+        """The ROUTER of the per-version messages (notices out, reports in).
+
+        Owned by the relay thread, so a notice leaves and a report is read without a
+        hand-off to the agent thread (each hand-off cost 0.1-0.3 ms on two busy cores).
+        Relays' data DEALERs name themselves by relay id; a restarted relay takes its
+        route over (ROUTER_HANDOVER); a notice to a relay not connected (yet) raises
+        (ROUTER_MANDATORY) and goes through the control channel instead.
+        """
+        self._data_ctx = zmq.Context()
+        self._data = bind(self._data_ctx, zmq.ROUTER, f"tcp://{_ip(self._host)}:*")
+        self._data.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._data.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        self._data_endpoint = self._data.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def _close_data_channel(self) -> None:
+        data, self._data = self._data, None
+        if data is not None:
+            data.close()
+        if self._data_ctx is not None:
+            self._data_ctx.destroy(linger=0)
+            self._data_ctx = None
 
     def _stop_thread(self) -> None:
         self._stopping.set()
@@ -1409,6 +1498,9 @@ class RelayRoot:
                 self._counters["formation_failures"] += 1
             return None
         group.pg = future.result()
+        group.wire = _Wire(
+            group.pg, self._backend, self._chunk_bytes, self._op_timeout, self._device
+        )
         with self._cond:
             for m in ready:
                 if m.session == members[m.relay_id][0] and m.state in ("pending", "active"):
@@ -1446,30 +1538,25 @@ class RelayRoot:
         flat: torch.Tensor,
         deadline: Deadline,
     ) -> bool:
-        """Announce, then run the collectives; True once every target reported it has it."""
+        """Send the bytes and announce them; True once every target reported it has them.
+
+        The sends go first: a relay has usually posted its receives already (see `_Wire`),
+        so the bytes flow while the notices travel.
+        """
         everyone = len(lagging) == len(group.members)
         ranks = sorted(m.rank for m in lagging)
+        wire = group.wire
+        assert wire is not None
+        header = wire.header(group.gen, version, flat.numel())
+        future = group.submit(lambda: wire.send(flat, header, ranks))
         notice = _Send(
             self.tree, group.gen, version, bus, () if everyone else tuple(ranks), flat.numel()
         )
-        agent = self._agent
-        assert agent is not None
+        frame = _encode(notice)
         for m in lagging:
-            agent.send_to(m.identity, notice)
-        wire = _Wire(group.pg, self._backend, self._chunk_bytes, self._op_timeout, self._device)
-        header = wire.header(group.gen, version, flat.numel())
-
-        def push() -> None:
-            if everyone:
-                wire.send(flat, header, None)
-            else:
-                for rank in ranks:
-                    wire.send(flat, header, rank)
-
-        future = group.submit(push)
-        future.add_done_callback(lambda _f: self._notify())
-        with self._cond:
-            while True:
+            self._send_notice(m, notice, frame)
+        while True:
+            with self._cond:
                 if self._stopping.is_set():
                     raise ClosedError("relay root closing")
                 if future.done() and future.exception() is not None:
@@ -1482,7 +1569,8 @@ class RelayRoot:
                     self._counters["transfer_failures"] += 1
                     return False
                 alive = self._group_members(group)
-                if future.done() and all(m.has(bus, version) for m in alive if m in lagging):
+                arrived = all(m.has(bus, version) for m in alive if m in lagging)
+                if future.done() and arrived:
                     if len(alive) != len(group.members):
                         group.broken = True  # re-form without the lost ones next time
                     return True
@@ -1490,12 +1578,66 @@ class RelayRoot:
                     return False
                 if deadline.expired():
                     return False
-                self._cond.wait(deadline.wait_s(self._heartbeat))
+            # every relay has it and gloo is finishing the send: look again soon
+            self._read_reports(deadline.poll_ms(_FINISH_POLL_S if arrived else _REPORT_POLL_S))
+
+    def _send_notice(self, m: _Member, notice: _Send, frame: bytes) -> None:
+        """On the data channel when the relay's data thread is connected to it; else on
+        the control channel (through the agent), which every relay reads."""
+        if self._data is not None:
+            try:
+                self._data.send_multipart([_data_identity(m.relay_id), frame], NOBLOCK)
+            except zmq.ZMQError:  # EHOSTUNREACH: not connected (yet); EAGAIN: full
+                pass
+            else:
+                with self._cond:
+                    self._counters["data_notices"] += 1
+                return
+        agent = self._agent
+        assert agent is not None
+        agent.send_to(m.identity, notice)
+        with self._cond:
+            self._counters["control_notices"] += 1
+
+    def _read_reports(self, timeout_ms: int) -> None:
+        """Wait up to `timeout_ms` for reports on the data channel and apply them (relay thread).
+
+        Reports also arrive on the control channel (the agent applies those and notifies
+        the condition); the callers look at the member table again after each slice.
+        """
+        data = self._data
+        if data is None:
+            with self._cond:
+                self._cond.wait(timeout_ms / 1000)
+            return
+        if not data.poll(timeout_ms):
+            return
+        now = time.monotonic()
+        while readable(data):
+            frames = data.recv_multipart(NOBLOCK)
+            try:
+                if len(frames) != 2:
+                    raise ProtocolError(f"{len(frames)} frames")
+                msg = _decode(frames[1])
+                if not isinstance(msg, _Report):
+                    raise ProtocolError(f"{msg.TYPE} on the data channel")
+            except ProtocolError as exc:
+                with self._cond:
+                    self._counters["rejected"] += 1
+                log.debug("dropped relay data message: %s", exc)
+                continue
+            with self._cond:
+                member = self._member_of(msg.session)
+                if member is None:
+                    self._counters["stale"] += 1
+                    continue
+                member.last_seen = now
+                self._on_report(member, msg, now)
 
     def _await(self, group: _Group, bus: str, version: int, need: str, deadline: Deadline) -> str:
         """Wait until every member reached `need`: "done", "reform" or "expired"."""
-        with self._cond:
-            while True:
+        while True:
+            with self._cond:
                 if self._stopping.is_set():
                     raise ClosedError("relay root closing")
                 alive = self._group_members(group)
@@ -1509,7 +1651,7 @@ class RelayRoot:
                     return "reform"
                 if deadline.expired():
                     return "expired"
-                self._cond.wait(deadline.wait_s(self._heartbeat))
+            self._read_reports(deadline.poll_ms(_REPORT_POLL_S))
 
     def _on_deadline(
         self,
@@ -1596,9 +1738,8 @@ class RelayRoot:
         if isinstance(msg, _Join):
             return self._join(identity, msg, now)
         session = getattr(msg, "session", "")
-        rid = self._sessions.get(session)
-        member = self._members.get(rid) if rid is not None else None
-        if member is None or member.session != session or member.state in ("lost", "evicted"):
+        member = self._member_of(session)
+        if member is None:
             if isinstance(msg, _Bye):
                 return None
             self._counters["stale"] += 1
@@ -1616,20 +1757,31 @@ class RelayRoot:
                 self._acked(member, msg.have_bus, msg.acked)
             member.workers = msg.workers
         elif isinstance(msg, _Report):
-            self._have(member, msg.have_bus, msg.have_version)
-            if msg.stage == "ready":  # its data thread is free: it wants in (again)
-                member.ready_gen = max(member.ready_gen, msg.gen)
-                if member.state == "pending":
-                    member.wants = True
-            elif msg.stage == "acked":
-                self._acked(member, msg.have_bus, msg.version)
-                member.missing = msg.missing
-            elif msg.stage == "failed":
-                member.failed = (msg.gen, msg.version)
-                member.retry_at = now + self._heartbeat
-                log.info("relay %s: generation %d failed: %s", member.relay_id, msg.gen, msg.reason)
+            self._on_report(member, msg, now)
         self._cond.notify_all()
         return None
+
+    def _member_of(self, session: str) -> _Member | None:
+        """The member of a live session, or None (unknown, ended, lost or evicted)."""
+        rid = self._sessions.get(session)
+        member = self._members.get(rid) if rid is not None else None
+        if member is None or member.session != session or member.state in ("lost", "evicted"):
+            return None
+        return member
+
+    def _on_report(self, member: _Member, msg: _Report, now: float) -> None:
+        self._have(member, msg.have_bus, msg.have_version)
+        if msg.stage == "ready":  # its data thread is free: it wants in (again)
+            member.ready_gen = max(member.ready_gen, msg.gen)
+            if member.state == "pending":
+                member.wants = True
+        elif msg.stage == "acked":
+            self._acked(member, msg.have_bus, msg.version)
+            member.missing = msg.missing
+        elif msg.stage == "failed":
+            member.failed = (msg.gen, msg.version)
+            member.retry_at = now + self._heartbeat
+            log.info("relay %s: generation %d failed: %s", member.relay_id, msg.gen, msg.reason)
 
     def _have(self, m: _Member, bus: str, version: int) -> None:
         if bus and (bus != m.have_bus or version > m.have_version):
@@ -1940,6 +2092,10 @@ class _WireError(ZmqSyncError):
     """A collective failed or timed out, or brought a header for another version."""
 
 
+def _written(slot: torch.Tensor) -> None:
+    """The `fill` of a version whose bytes were received into its slot already."""
+
+
 def _copier(source: torch.Tensor) -> Callable[[torch.Tensor], None]:
     def copy(slot: torch.Tensor) -> None:
         slot.copy_(source)
@@ -1956,25 +2112,56 @@ class _LocalBus(Publisher):
     """
 
     _fill: Callable[[torch.Tensor], None] | None = None
+    _reserved: int | None = None
 
     def __init__(self, manifest: Sequence[TensorSpec], *args: Any, **kwargs: Any) -> None:
         self._template = _template(manifest)
         self._first = manifest[0]
+        self._flats: dict[int, torch.Tensor] = {}
         super().__init__(self._template, *args, **kwargs)
 
     def has_free_slot(self) -> bool:
         """Whether a version could be written now (no local worker holds every slot)."""
+        return self.reserve_slot() is not None
+
+    def reserve_slot(self) -> int | None:
+        """A slot the next `publish_received(slot=...)` may write, or None if all are held.
+
+        It stays free until then: only a publish makes a slot held (workers join at the
+        latest version and acks only release), and only the relay's data thread publishes.
+        """
         with self._cond:
-            return self._registry.free_slot() is not None
+            return self._registry.free_slot()
+
+    def slot_flat(self, slot: int) -> torch.Tensor:
+        flats = self._flats
+        if slot not in flats:
+            flats[slot] = _flat_slot(self._slot_views[slot], self._first, self._layout.slot_bytes)
+        return flats[slot]
 
     def publish_received(
-        self, version: int, fill: Callable[[torch.Tensor], None], timeout: float | None
+        self,
+        version: int,
+        fill: Callable[[torch.Tensor], None],
+        timeout: float | None,
+        slot: int | None = None,
     ) -> Publish:
-        self._fill = fill
+        """Publish `version`, its bytes written by `fill(flat slot)`, into `slot` if given
+        (from `reserve_slot`), else into the slot the core publish chooses."""
+        self._fill, self._reserved = fill, slot
         try:
             return self.publish(self._template, version=version, wait=False, timeout=timeout)
         finally:
-            self._fill = None
+            self._fill, self._reserved = None, None
+
+    def _claim_slot(self, deadline: Deadline) -> int:
+        slot = self._reserved
+        if slot is None:
+            return super()._claim_slot(deadline)
+        with self._cond:
+            if self._registry.holders(slot):  # cannot happen (see reserve_slot)
+                raise ZmqSyncError(f"reserved slot {slot} is held by a worker")
+        return slot
 
     def _write(
         self, slot: int, version: int, flat: dict[Key, torch.Tensor], **options: Any
@@ -1992,6 +2179,49 @@ class _LocalBus(Publisher):
         header.set_latest(version, slot)
 
 
+class _DataLink:
+    """One relay thread's DEALER to the root's data ROUTER (used by that thread only).
+
+    The data thread's carries its relay id as routing id (the root sends it notices);
+    the wait thread's is anonymous (it only sends "acked" reports).
+    """
+
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], identity: bytes | None) -> None:
+        self.ctx, self.identity = ctx, identity
+        self.endpoint = ""
+        self.sock: zmq.Socket[bytes] | None = None
+
+    def ensure(self, endpoint: str) -> zmq.Socket[bytes] | None:
+        """The socket connected to `endpoint` (reconnected when the root changed)."""
+        if endpoint != self.endpoint:
+            self.close()
+            self.endpoint = endpoint
+            if endpoint:
+                sock = self.ctx.socket(zmq.DEALER)
+                sock.linger = 0
+                sock.setsockopt(zmq.MAXMSGSIZE, _config.MAX_MESSAGE_BYTES)
+                if self.identity is not None:
+                    sock.setsockopt(zmq.ROUTING_ID, self.identity)
+                sock.connect(endpoint)
+                self.sock = sock
+        return self.sock
+
+    def send(self, frame: bytes) -> bool:
+        if self.sock is None:
+            return False
+        try:
+            self.sock.send(frame, NOBLOCK)
+        except zmq.ZMQError:
+            return False
+        return True
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+        self.endpoint = ""
+
+
 @dataclass
 class _RelayGroup:
     gen: int
@@ -2000,6 +2230,7 @@ class _RelayGroup:
     root_bus: str
     wire: _Wire
     pg: Any
+    slot_bytes: int
 
 
 class Relay:
@@ -2083,6 +2314,9 @@ class Relay:
         self._inbox: queue.SimpleQueue[tuple[_Message | str, Any]] = queue.SimpleQueue()
         self._waits: queue.SimpleQueue[tuple[Publish, str, int] | None] = queue.SimpleQueue()
         self._agent: _RelayAgent | None = None
+        self._data_ctx: zmq.Context[zmq.Socket[bytes]] | None = None  # made by start()
+        self._data_link: _DataLink | None = None  # the data thread's
+        self._posted: _Posted | None = None  # the data thread's: receives posted ahead
         self._threads: list[threading.Thread] = []
         self.counters: Counter[str] = Counter()
         self._pid = os.getpid()
@@ -2102,6 +2336,7 @@ class Relay:
             return self
         self.address = self._address_arg or _config.default_address(self.name)
         self._pid = os.getpid()
+        self._data_ctx = zmq.Context()
         self._agent = _RelayAgent(self)
         self._threads = [
             threading.Thread(
@@ -2136,12 +2371,16 @@ class Relay:
             self._agent.stop()
         self._inbox.put(("stop", None))
         self._threads[0].join(self._timeout + _config.THREAD_JOIN_S)  # data: may be in a collective
-        self._group = None
+        self._group, self._posted = None, None
         local, self._local = self._local, None
         if local is not None:
             local.close()  # STOP to the local workers; a pending wait ends with ClosedError
         self._waits.put(None)
         self._threads[1].join(_config.THREAD_JOIN_S)
+        if any(thread.is_alive() for thread in self._threads):
+            log.warning("relay %s: a thread did not stop within its deadline", self.relay_id)
+        elif self._data_ctx is not None:  # their DEALERs are closed
+            self._data_ctx.destroy(linger=0)
         with self._cond:
             self._cond.notify_all()
         log.info("relay %s closed at version %d", self.relay_id, self._have[1])
@@ -2208,14 +2447,67 @@ class Relay:
         missing: Sequence[str] = (),
         reason: str = "",
         have: tuple[str, int] | None = None,
+        link: _DataLink | None = None,
     ) -> None:
+        """To the root: straight on `link` (the calling thread's data DEALER) when it is
+        connected, else through the agent's control channel."""
         bus, have_version = have if have is not None else self._have
-        if self._agent is not None:
-            self._agent.report(stage, gen, version, bus, have_version, tuple(missing), reason[:512])
+        agent = self._agent
+        if agent is None:
+            return
+        fields_ = (stage, gen, version, bus, have_version, tuple(missing), reason[:512])
+        session = agent.session
+        if link is not None and session and link.send(_encode(_Report(session, *fields_))):
+            return
+        agent.report(*fields_)
+
+    def _next_item(self, link: _DataLink) -> tuple[_Message | str, Any] | None:
+        """The next thing for the data thread: from the agent (inbox), or a notice on the
+        data channel; None after a slice with neither."""
+        try:
+            return self._inbox.get_nowait()
+        except queue.Empty:
+            pass
+        agent = self._agent
+        sock = link.ensure(agent.data_endpoint if agent is not None else "")
+        if sock is None:
+            try:
+                return self._inbox.get(timeout=_INBOX_POLL_S)
+            except queue.Empty:
+                return None
+        if not sock.poll(int(_INBOX_POLL_S * 1000)):
+            return None
+        frame = sock.recv(NOBLOCK)
+        try:
+            msg = _decode(frame)
+        except ProtocolError as exc:
+            self.counters["rejected"] += 1
+            log.debug("dropped root data message: %s", exc)
+            return None
+        if not isinstance(msg, _Send):
+            self.counters["rejected"] += 1
+            return None
+        if agent is None or not agent.session or msg.tree != agent.tree:
+            self.counters["stale"] += 1
+            return None
+        return msg, None
 
     def _data_loop(self) -> None:
+        assert self._data_ctx is not None
+        link = _DataLink(self._data_ctx, _data_identity(self.relay_id))
+        try:
+            self._serve(link)
+        finally:
+            link.close()
+
+    def _serve(self, link: _DataLink) -> None:
+        self._data_link = link
         while not self._stopping.is_set():
-            item, store = self._inbox.get()
+            got = self._next_item(link)
+            if got is None:
+                self._prepost()  # once a local worker released a slot, if none was free
+                continue
+            item, store = got
             try:
                 if item == "stop":
                     return
@@ -2235,6 +2527,7 @@ class Relay:
                 self._drop_group("failure")
 
     def _drop_group(self, why: str) -> None:
+        self._posted = None  # its receives fail with the group's sockets, unwaited
         if self._group is not None:
             log.info("relay %s leaves generation %d (%s)", self.relay_id, self._group.gen, why)
             self._group = None
@@ -2267,7 +2560,9 @@ class Relay:
             self.counters["formation_failures"] += 1
             return
         wire = _Wire(pg, commit.backend, commit.chunk_bytes, commit.timeout, device)
-        self._group = _RelayGroup(commit.gen, commit.rank, commit.world, commit.root_bus, wire, pg)
+        self._group = _RelayGroup(
+            commit.gen, commit.rank, commit.world, commit.root_bus, wire, pg, layout.slot_bytes
+        )
         self.counters["generations"] += 1
         self._report("formed", commit.gen)
         log.info(
@@ -2279,6 +2574,7 @@ class Relay:
         )
 
     def _restart_local(self, why: str) -> None:
+        self._posted = None
         local, self._local = self._local, None
         if local is not None:
             log.info("relay %s restarts its bus: %s", self.relay_id, why)
@@ -2288,55 +2584,55 @@ class Relay:
             self._acked = ("", -1)
 
     def _receive(self, send: _Send) -> None:
-        """Take part in the collectives of `send`, then publish the version on this host.
+        """Receive the version `send` announces, then publish it on this host.
 
-        The collectives never wait for local workers: the bytes go straight into a free
-        slot of the local bus when there is one, else into a staging buffer that is
-        published (copied) once a slot frees up, under the local timeout.
+        The bytes usually arrive in receives posted ahead into a free slot (`_prepost`);
+        else they are received now, into a free slot or, when local workers hold every
+        slot, into a staging buffer that is published (copied) once a slot frees up under
+        the local timeout: the transfer never waits for local workers.
         """
         group = self._group
         if group is None or group.gen != send.gen:
             return  # a notice of a generation we left: the root notices the silence
         if send.targets and group.rank not in send.targets:
             return
-        if send.root_bus != group.root_bus or send.nbytes != self._slot_bytes():
+        if send.root_bus != group.root_bus or send.nbytes != group.slot_bytes:
             self._report("failed", send.gen, send.version, reason="notice does not match the group")
             self._drop_group("bad notice")
             return
-        p2p = bool(send.targets)
-        expect = group.wire.header(send.gen, send.version, send.nbytes)
-        received = False
-
-        def receive(into: torch.Tensor) -> None:
-            nonlocal received
-            received = True
-            try:
-                group.wire.receive(into, expect, p2p)
-            except RuntimeError as exc:  # torch.distributed: error or timeout
-                raise _WireError(str(exc)) from None
-
-        handle: Publish | None = None
         local = self._local
+        posted, self._posted = self._posted, None
+        handle: Publish | None = None
         try:
+            if posted is None:
+                slot = local.reserve_slot() if local is not None else None
+                if local is None or slot is None:
+                    posted = group.wire.post_receive(self._staging(send.nbytes))
+                else:
+                    posted = group.wire.post_receive(local.slot_flat(slot))
+                    posted.slot = slot
+            else:
+                self.counters["preposted"] += 1
+            posted.finish(send.gen, send.version, send.nbytes)
             if local is None:
-                handle = self._open_local(send, receive)
+                handle = self._open_local(send, posted.into)
             elif send.version <= local.version:
-                receive(self._staging(send.nbytes))  # it has this one already: drain
-            elif local.has_free_slot():
-                handle = local.publish_received(send.version, receive, self._timeout)
-            else:  # local workers hold every slot: do not make the group wait for them
-                staging = self._staging(send.nbytes)
-                receive(staging)
-                handle = local.publish_received(send.version, _copier(staging), self._timeout)
+                pass  # it has this one already: drained
+            elif posted.slot is not None:  # the bytes are in the slot already
+                handle = local.publish_received(send.version, _written, self._timeout, posted.slot)
+            else:
+                handle = local.publish_received(send.version, _copier(posted.into), self._timeout)
         except _WireError as exc:
             self.counters["receive_failures"] += 1
             self._drop_group(f"receive failed: {exc}")
             self._report("failed", send.gen, send.version, reason=str(exc))
             return
+        except RuntimeError as exc:  # posting failed: the group is gone
+            self.counters["receive_failures"] += 1
+            self._drop_group(f"receive failed: {exc}")
+            self._report("failed", send.gen, send.version, reason=str(exc)[:512])
+            return
         except (ZmqSyncError, ValueError) as exc:  # the local bus: full, closed, or too slow
-            if not received:
-                with contextlib.suppress(_WireError):
-                    receive(self._staging(send.nbytes))  # the others must not wait for us
             self.counters["local_failures"] += 1
             log.warning(
                 "relay %s: version %d not published here: %s", self.relay_id, send.version, exc
@@ -2347,7 +2643,7 @@ class Relay:
                 self._have = (send.root_bus, max(send.version, self._have[1]))
             self._cond.notify_all()
         self.counters["versions"] += 1
-        self._report("received", send.gen, send.version)
+        self._report("received", send.gen, send.version, link=self._data_link)
         if handle is not None:
             self._waits.put((handle, send.root_bus, send.version))
             if self._on_update is not None:
@@ -2355,7 +2651,33 @@ class Relay:
         else:
             with self._cond:
                 self._acked = (send.root_bus, max(self._acked[1], send.version))
-            self._report("acked", send.gen, send.version)
+            self._report("acked", send.gen, send.version, link=self._data_link)
+        self._prepost()
+
+    def _prepost(self) -> None:
+        """Post the receives of the next version into a free slot of the local bus.
+
+        A posted gloo receive has no deadline (only waiting for it has one), so it can
+        wait for the root's next send as long as the group lives; the root sends without
+        waiting for our notice to arrive. Nothing is posted while local workers hold every
+        slot (the next notice then receives into a staging buffer), before the local bus
+        exists, or with NCCL.
+        """
+        group, local = self._group, self._local
+        if self._posted is not None or group is None or local is None:
+            return
+        if group.wire.device is not None:
+            return
+        slot = local.reserve_slot()
+        if slot is None:
+            return
+        try:
+            posted = group.wire.post_receive(local.slot_flat(slot))
+        except RuntimeError as exc:  # the group is gone: the root re-forms it
+            log.debug("relay %s: cannot post ahead: %s", self.relay_id, exc)
+            return
+        posted.slot = slot
+        self._posted = posted
 
     def _staging(self, nbytes: int) -> torch.Tensor:
         """A reusable receive buffer (kept: needing one once means needing it again)."""
@@ -2363,13 +2685,9 @@ class Relay:
             self._stage = torch.empty(nbytes, dtype=torch.uint8)
         return self._stage
 
-    def _slot_bytes(self) -> int:
-        return _layout_of(self._manifest).slot_bytes if self._manifest else 0
-
-    def _open_local(self, send: _Send, receive: Callable[[torch.Tensor], None]) -> Publish | None:
-        """The first version: receive it, open the bus with it, publish it under its number."""
-        staging = torch.empty(send.nbytes, dtype=torch.uint8)
-        receive(staging)
+    def _open_local(self, send: _Send, staging: torch.Tensor) -> Publish | None:
+        """The first version (received into `staging`): open the bus with it, publish it
+        under its number."""
         bus = _LocalBus(
             self._manifest,
             self._address_arg,
@@ -2400,6 +2718,14 @@ class Relay:
 
     def _wait_loop(self) -> None:
         """Report "acked" once the local workers acked (or the local deadline passed)."""
+        assert self._data_ctx is not None
+        link = _DataLink(self._data_ctx, None)
+        try:
+            self._report_acks(link)
+        finally:
+            link.close()
+
+    def _report_acks(self, link: _DataLink) -> None:
         while (item := self._waits.get()) is not None:
             handle, bus, version = item
             try:
@@ -2413,12 +2739,15 @@ class Relay:
                 if self._have[0] == bus:
                     self._acked = (bus, max(self._acked[1], version))
             group = self._group
+            agent = self._agent
+            link.ensure(agent.data_endpoint if agent is not None else "")
             self._report(
                 "acked",
                 group.gen if group else 0,
                 version,
                 missing=missing,
                 have=(bus, self._have[1]),
+                link=link,
             )
 
 
@@ -2430,6 +2759,7 @@ class _RelayAgent:
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self.dealer: zmq.Socket[bytes] | None = None
         self.store: Any = None
+        self.data_endpoint = ""  # the root's data ROUTER (the data and wait threads connect)
         self.session = ""
         self.tree = ""
         self.last_heard = 0.0
@@ -2560,6 +2890,7 @@ class _RelayAgent:
                 host, port, None, False, datetime.timedelta(seconds=max(1.0, 2 * relay._heartbeat))
             )
             endpoint = store.get(_control_key(relay.name)).decode()
+            data = store.get(_data_key(relay.name)).decode()
         except (OSError, RuntimeError, UnicodeDecodeError) as exc:
             log.debug("relay %s: root not reachable at %s:%d: %s", relay.relay_id, host, port, exc)
             return
@@ -2570,6 +2901,8 @@ class _RelayAgent:
             )
             return
         self.store = store
+        data_port = data.rsplit(":", 1)[-1]
+        self.data_endpoint = f"tcp://{_ip(host)}:{data_port}" if data_port.isdigit() else ""
         self.dealer = connect(self.ctx, zmq.DEALER, f"tcp://{_ip(host)}:{port_text}")
         self._joining_since = time.monotonic()
         self._send(
