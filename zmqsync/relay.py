@@ -38,9 +38,9 @@ Theory of operation (the invariants the code keeps):
 1. **Collectives are never waited for on a thread that must stay responsive.**
    torch.distributed collectives do not time out gracefully on their own (gloo raises
    after the group's timeout and leaves the group unusable; NCCL, without its watchdog,
-   waits forever; ``abort()`` on a gloo group hangs). So the root runs them on a per-generation
-   executor thread and waits for them with a `Deadline`; a relay runs them on its data
-   thread. Every collective carries a timeout (``collective_timeout``, by default about
+   waits forever; ``abort()`` on a gloo group hangs). So the root runs them on a
+   per-generation executor thread and waits for them with a `Deadline`; a relay waits
+   on its data thread. Every wait carries a timeout (``collective_timeout``, by default about
    the time it takes to declare a silent relay lost), which bounds how long a hung peer
    can hold the others. Liveness and reports travel on ZeroMQ, so a stuck collective
    never silences a heartbeat.
