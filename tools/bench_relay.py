@@ -11,11 +11,11 @@ round by round:
 * **relay**: the trainer publishes a version of that size; the time is the relay root's
   own measurement (`Relayed.seconds`): from the moment its subscriber holds the version
   to the moment both relays reported it announced on their own buses (``ack="relays"``):
-  notices, header, chunked broadcast straight into a free slot of each relay's bus,
-  the relays' publishes and their reports. The trainer's ``publish()`` time (its copy
+  sends and notices, the chunks received straight into a free slot of each relay's bus,
+  header checks, the relays' publishes and their reports. The trainer's ``publish()`` time (its copy
   into the root slot, then all of the above) is reported as well.
 
-    python tools/bench_relay.py --sizes 4,64,256 --reps 5 --rounds 3 --out bench-relay.json
+    python tools/bench_relay.py --sizes 1,4,16,64,256 --reps 5 --rounds 4 --out bench-relay.json
 
 Medians are reported; on a loaded machine compare the two columns of one run only.
 """
