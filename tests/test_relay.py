@@ -586,6 +586,12 @@ def test_data_channel_carries_versions_drops_garbage_and_falls_back(name, bus_di
         assert root.counters["data_notices"] >= 3
         # the relay posted its receives before the notices came (slots freed in time)
         assert relay.counters["preposted"] >= 1
+        # and the slot it posted into is marked as being written from then on: a reader
+        # that is not a holder sees the seqlock move before any byte lands
+        posted = _wait(lambda: relay._posted, 5, "receives posted ahead")
+        assert posted.slot is not None and relay.publisher is not None
+        header = relay.publisher._segment.header
+        assert header.read_begin(posted.slot, header.slot_version(posted.slot)) is None
         # hostile frames on the data ROUTER: not msgpack, a pickle, another message type,
         # a report of a session that does not exist
         ctx = zmq.Context()

@@ -61,11 +61,13 @@ Theory of operation (the invariants the code keeps):
 4. **Bytes are never torn.** The root sends from the slot its subscriber aliases, which
    the root publisher does not rewrite while it is held (the root bus needs slots >= 2).
    A relay receives straight into a slot of its bus that no local worker holds (the core
-   publisher's rule, so the relay costs no extra copy; when local alias workers hold
-   every slot it receives into a staging buffer instead, so that the collective never
-   waits for local workers). A header that precedes the data, checked before the slot
-   is marked complete, proves the bytes belong to the announced version; a version whose
-   transfer fails is never announced.
+   publisher's rule, so the relay costs no extra copy; the slot's seqlock is marked
+   "being written" before its receives are posted, so even a reader that is no longer a
+   holder, an evicted worker finishing a copy, sees the bytes change under it; when
+   local alias workers hold every slot it receives into a staging buffer instead, so
+   that the transfer never waits for local workers). A header that precedes the data,
+   checked before the slot is marked complete, proves the bytes belong to the announced
+   version; a version whose transfer fails is never announced.
 
 Local workers of a relay that dies keep their last version (the ordinary
 dead-publisher behaviour) and re-join when the relay restarts on the host.
@@ -2133,7 +2135,15 @@ class _LocalBus(Publisher):
         with self._cond:
             return self._registry.free_slot()
 
-    def slot_flat(self, slot: int) -> torch.Tensor:
+    def open_slot(self, slot: int) -> torch.Tensor:
+        """`slot` (from `reserve_slot`) as flat bytes, marked as being written first.
+
+        The bytes may land any time after this, long before the publish that announces
+        them: a reader that is not a holder (an evicted worker finishing a copy) must see
+        the slot's seqlock move, as it would for a core publish's write.
+        """
+        assert self._segment is not None
+        self._segment.header.begin_write(slot)
         flats = self._flats
         if slot not in flats:
             flats[slot] = _flat_slot(self._slot_views[slot], self._first, self._layout.slot_bytes)
@@ -2609,7 +2619,7 @@ class Relay:
                 if local is None or slot is None:
                     posted = group.wire.post_receive(self._staging(send.nbytes))
                 else:
-                    posted = group.wire.post_receive(local.slot_flat(slot))
+                    posted = group.wire.post_receive(local.open_slot(slot))
                     posted.slot = slot
             else:
                 self.counters["preposted"] += 1
@@ -2672,7 +2682,7 @@ class Relay:
         if slot is None:
             return
         try:
-            posted = group.wire.post_receive(local.slot_flat(slot))
+            posted = group.wire.post_receive(local.open_slot(slot))
         except RuntimeError as exc:  # the group is gone: the root re-forms it
             log.debug("relay %s: cannot post ahead: %s", self.relay_id, exc)
             return
