@@ -1580,7 +1580,7 @@ class RelayRoot:
                     return False
                 if deadline.expired():
                     return False
-            # every relay has it and gloo is finishing the send: look again soon
+            # once every relay has it, only gloo's send is left to finish: look again soon
             self._read_reports(deadline.poll_ms(_FINISH_POLL_S if arrived else _REPORT_POLL_S))
 
     def _send_notice(self, m: _Member, notice: _Send, frame: bytes) -> None:
@@ -1615,7 +1615,9 @@ class RelayRoot:
         if not data.poll(timeout_ms):
             return
         now = time.monotonic()
-        while readable(data):
+        for _ in range(_config.ACK_DRAIN_MAX):  # bounded: a flood cannot hold this thread
+            if not readable(data):
+                break
             frames = data.recv_multipart(NOBLOCK)
             try:
                 if len(frames) != 2:
