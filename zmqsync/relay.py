@@ -96,6 +96,7 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, fields, replace
+from functools import partial
 from types import FrameType
 from typing import Any, ClassVar, TypeAlias
 
@@ -653,14 +654,17 @@ class _Wire:
     def header(self, gen: int, version: int, nbytes: int) -> torch.Tensor:
         return torch.tensor([HEADER_MAGIC, gen, version, nbytes], dtype=torch.int64)
 
-    def send(self, flat: torch.Tensor, header: torch.Tensor, ranks: Sequence[int]) -> None:
-        """Root side: `header` then `flat` to every rank in `ranks`, chunk by chunk."""
+    def post_send(
+        self, flat: torch.Tensor, header: torch.Tensor, ranks: Sequence[int]
+    ) -> Callable[[], None]:
+        """Root side: post the first sends of `header`, then `flat`, to every rank in
+        `ranks` now (posting never blocks); the returned call posts the rest chunk by
+        chunk and waits (on the group's executor thread: waiting may block)."""
         tensors = [header, *self._chunks(flat)]
         if self.device is not None:
-            self._run_staged(tensors, ranks, send=True)
-            return
+            return partial(self._run_staged, tensors, ranks, send=True)
         ops = [(t, rank, tag) for tag, t in enumerate(tensors) for rank in ranks]
-        _Ops(self, ops, send=True, window=_OPS_IN_FLIGHT * len(ranks)).finish()
+        return _Ops(self, ops, send=True, window=_OPS_IN_FLIGHT * len(ranks)).finish
 
     def post_receive(self, into: torch.Tensor) -> _Posted:
         """Relay side: post the receives of a header and of `into`, all at once (gloo)."""
@@ -1542,15 +1546,22 @@ class RelayRoot:
     ) -> bool:
         """Send the bytes and announce them; True once every target reported it has them.
 
-        The sends go first: a relay has usually posted its receives already (see `_Wire`),
-        so the bytes flow while the notices travel.
+        The sends go first, posted on this thread: a relay has usually posted its receives
+        already (see `_Wire`), so the bytes flow while the notices travel.
         """
         everyone = len(lagging) == len(group.members)
         ranks = sorted(m.rank for m in lagging)
         wire = group.wire
         assert wire is not None
         header = wire.header(group.gen, version, flat.numel())
-        future = group.submit(lambda: wire.send(flat, header, ranks))
+        try:  # posted here, waited for on the executor: no thread hand-off before the bytes
+            finish = wire.post_send(flat, header, ranks)
+        except RuntimeError as exc:  # the group's connections are gone
+            log.info("generation %d: sending v%d failed: %s", group.gen, version, exc)
+            with self._cond:
+                self._counters["transfer_failures"] += 1
+            return False
+        future = group.submit(finish)
         notice = _Send(
             self.tree, group.gen, version, bus, () if everyone else tuple(ranks), flat.numel()
         )
