@@ -8,6 +8,7 @@ version a worker applies is checked against the checksum the trainer published w
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -19,6 +20,7 @@ import time
 import msgpack
 import pytest
 import torch
+import zmq
 
 import zmqsync
 from tests.conftest import Proc, deadline_listdir
@@ -404,20 +406,29 @@ def test_cli_root_process_and_an_in_process_relay(name, spawn, bus_dirs):
                 assert torch.equal(sub.weights["w"], torch.ones(1000))
 
 
-@pytest.mark.timeout(120)
-def test_local_alias_workers_holding_every_slot_never_stall_the_group(name, bus_dirs):
+@contextlib.contextmanager
+def in_process_tree(name: str, bus_dirs, sock: str, *, ack: str, relay_timeout: float):
+    """A trainer's Publisher (4096 floats), a RelayRoot and one Relay, in this process;
+    yields them and the relay's local bus address once the relay holds version 0."""
     runtime, _ = bus_dirs
-    local = f"ipc://{runtime}/held.sock"
+    local = f"ipc://{runtime}/{sock}"
     with (
         zmqsync.Publisher({"w": torch.zeros(4096)}, name=name, timeout=20, heartbeat=HB) as pub,
         zmqsync.RelayRoot(
-            name=name, init_method="tcp://127.0.0.1:0", ack="relays", timeout=8, heartbeat=HB
+            name=name, init_method="tcp://127.0.0.1:0", ack=ack, timeout=8, heartbeat=HB
         ) as root,
         zmqsync.Relay(
-            local, name=name, init_method=root.init_method_url, heartbeat=HB, timeout=1.0
+            local, name=name, init_method=root.init_method_url, heartbeat=HB, timeout=relay_timeout
         ) as relay,
     ):
         assert relay.wait_for_version(0, timeout=30)
+        yield pub, root, relay, local
+
+
+@pytest.mark.timeout(120)
+def test_local_alias_workers_holding_every_slot_never_stall_the_group(name, bus_dirs):
+    tree = in_process_tree(name, bus_dirs, "held.sock", ack="relays", relay_timeout=1.0)
+    with tree as (pub, root, relay, local):
         # an alias worker that never polls: it holds its slot and blocks the other one
         with zmqsync.Subscriber(local, name=name, mode="alias", apply="manual") as held:
             assert not pub.publish(weights={"w": torch.ones(4096)}).missing
@@ -565,21 +576,8 @@ def test_data_channel_carries_versions_drops_garbage_and_falls_back(name, bus_di
     """Notices and reports go straight between the root's relay thread and the relay's
     data thread; hostile frames there are dropped and counted; a relay whose data
     channel is down still gets every version through the control channel."""
-    import zmq
-
-    runtime, _ = bus_dirs
-    local = f"ipc://{runtime}/data.sock"
-    with (
-        zmqsync.Publisher({"w": torch.zeros(4096)}, name=name, timeout=20, heartbeat=HB) as pub,
-        zmqsync.RelayRoot(
-            name=name, init_method="tcp://127.0.0.1:0", ack="tree", timeout=8, heartbeat=HB
-        ) as root,
-        zmqsync.Relay(
-            local, name=name, init_method=root.init_method_url, heartbeat=HB, timeout=2.0
-        ) as relay,
-        zmqsync.Subscriber(local, name=name, mode="copy") as sub,
-    ):
-        assert relay.wait_for_version(0, timeout=30)
+    tree = in_process_tree(name, bus_dirs, "data.sock", ack="tree", relay_timeout=2.0)
+    with tree as (pub, root, relay, local), zmqsync.Subscriber(local, name=name) as sub:
         for v in range(1, 4):
             assert not pub.publish(weights={"w": torch.full((4096,), float(v))}).missing
             assert relay.version == v and sub.wait_for_version(v, timeout=10)
