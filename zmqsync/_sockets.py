@@ -49,11 +49,17 @@ def readable(sock: zmq.Socket[bytes]) -> bool:
 
 
 def connect(
-    ctx: zmq.Context[zmq.Socket[bytes]], kind: int, address: str, secure: Secure = None
+    ctx: zmq.Context[zmq.Socket[bytes]],
+    kind: int,
+    address: str,
+    secure: Secure = None,
+    routing_id: bytes | None = None,
 ) -> zmq.Socket[bytes]:
     sock = ctx.socket(kind)
     sock.linger = 0
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+    if routing_id is not None:
+        sock.setsockopt(zmq.ROUTING_ID, routing_id)
     if secure is not None:
         secure(sock)
     sock.connect(address)

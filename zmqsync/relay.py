@@ -666,14 +666,17 @@ class _Wire:
         ops = [(t, rank, tag) for tag, t in enumerate(tensors) for rank in ranks]
         return _Ops(self, ops, send=True, window=_OPS_IN_FLIGHT * len(ranks)).finish
 
-    def post_receive(self, into: torch.Tensor) -> _Posted:
-        """Relay side: post the receives of a header and of `into`, all at once (gloo)."""
+    def post_receive(self, into: torch.Tensor, slot: int | None = None) -> _Posted:
+        """Relay side: post the receives of a header and of `into` (local bus slot `slot`,
+        or a staging buffer), all at once with gloo; NCCL receives them in `finish`."""
         got = torch.zeros(4, dtype=torch.int64)
         tensors = [got, *self._chunks(into)]
         if self.device is not None:
-            return _Posted(self, into, got, None, tensors)
-        ops = [(t, 0, tag) for tag, t in enumerate(tensors)]
-        return _Posted(self, into, got, _Ops(self, ops, send=False, window=len(ops)), tensors)
+            wait: Callable[[], None] = partial(self._run_staged, tensors, (0,), send=False)
+        else:
+            ops = [(t, 0, tag) for tag, t in enumerate(tensors)]
+            wait = _Ops(self, ops, send=False, window=len(ops)).finish
+        return _Posted(self, into, slot, got, wait)
 
     def _chunks(self, flat: torch.Tensor) -> list[torch.Tensor]:
         return [flat[off : off + self.chunk] for off in range(0, flat.numel(), self.chunk)]
@@ -724,19 +727,15 @@ class _Ops:
             self._post()
 
 
+@dataclass
 class _Posted:
     """A relay's receives of one version, posted (gloo) or to run (NCCL) into `into`."""
 
-    def __init__(
-        self,
-        wire: _Wire,
-        into: torch.Tensor,
-        got: torch.Tensor,
-        ops: _Ops | None,
-        tensors: list[torch.Tensor],
-    ) -> None:
-        self.wire, self.into, self.got, self.ops, self.tensors = wire, into, got, ops, tensors
-        self.slot: int | None = None  # the local bus slot `into` is, if it is one
+    wire: _Wire
+    into: torch.Tensor
+    slot: int | None  # the local bus slot `into` is, if it is one
+    got: torch.Tensor  # the header lands here
+    wait: Callable[[], None]
 
     def finish(self, gen: int, version: int, nbytes: int) -> None:
         """Wait for the bytes, then check that the header names this version.
@@ -746,10 +745,7 @@ class _Posted:
                 transfer failed or timed out.
         """
         try:
-            if self.ops is not None:
-                self.ops.finish()
-            else:
-                self.wire._run_staged(self.tensors, (0,), send=False)
+            self.wait()
         except RuntimeError as exc:  # torch.distributed: error or timeout
             raise _WireError(str(exc)) from None
         expect = self.wire.header(gen, version, nbytes)
@@ -2157,6 +2153,9 @@ class _LocalBus(Publisher):
         """
         assert self._segment is not None
         self._segment.header.begin_write(slot)
+        return self._flat(slot)
+
+    def _flat(self, slot: int) -> torch.Tensor:
         flats = self._flats
         if slot not in flats:
             flats[slot] = _flat_slot(self._slot_views[slot], self._first, self._layout.slot_bytes)
@@ -2195,9 +2194,8 @@ class _LocalBus(Publisher):
             return
         assert self._segment is not None
         header = self._segment.header
-        views = self._slot_views[slot]
         header.begin_write(slot)
-        fill(_flat_slot(views, self._first, self._layout.slot_bytes))
+        fill(self._flat(slot))
         header.end_write(slot, version)
         header.set_latest(version, slot)
 
@@ -2220,13 +2218,7 @@ class _DataLink:
             self.close()
             self.endpoint = endpoint
             if endpoint:
-                sock = self.ctx.socket(zmq.DEALER)
-                sock.linger = 0
-                sock.setsockopt(zmq.MAXMSGSIZE, _config.MAX_MESSAGE_BYTES)
-                if self.identity is not None:
-                    sock.setsockopt(zmq.ROUTING_ID, self.identity)
-                sock.connect(endpoint)
-                self.sock = sock
+                self.sock = connect(self.ctx, zmq.DEALER, endpoint, routing_id=self.identity)
         return self.sock
 
     def send(self, frame: bytes) -> bool:
@@ -2627,15 +2619,12 @@ class Relay:
         posted, self._posted = self._posted, None
         handle: Publish | None = None
         try:
-            if posted is None:
-                slot = local.reserve_slot() if local is not None else None
-                if local is None or slot is None:
-                    posted = group.wire.post_receive(self._staging(send.nbytes))
-                else:
-                    posted = group.wire.post_receive(local.open_slot(slot))
-                    posted.slot = slot
-            else:
+            if posted is not None:
                 self.counters["preposted"] += 1
+            else:
+                posted = self._post_into_free_slot(group) or group.wire.post_receive(
+                    self._staging(send.nbytes)
+                )
             posted.finish(send.gen, send.version, send.nbytes)
             if local is None:
                 handle = self._open_local(send, posted.into)
@@ -2686,21 +2675,21 @@ class Relay:
         slot (the next notice then receives into a staging buffer), before the local bus
         exists, or with NCCL.
         """
-        group, local = self._group, self._local
-        if self._posted is not None or group is None or local is None:
-            return
-        if group.wire.device is not None:
-            return
-        slot = local.reserve_slot()
-        if slot is None:
+        group = self._group
+        if self._posted is not None or group is None or group.wire.device is not None:
             return
         try:
-            posted = group.wire.post_receive(local.open_slot(slot))
+            self._posted = self._post_into_free_slot(group)
         except RuntimeError as exc:  # the group is gone: the root re-forms it
             log.debug("relay %s: cannot post ahead: %s", self.relay_id, exc)
-            return
-        posted.slot = slot
-        self._posted = posted
+
+    def _post_into_free_slot(self, group: _RelayGroup) -> _Posted | None:
+        """Receives posted into a free slot of the local bus; None without bus or slot."""
+        local = self._local
+        slot = local.reserve_slot() if local is not None else None
+        if local is None or slot is None:
+            return None
+        return group.wire.post_receive(local.open_slot(slot), slot)
 
     def _staging(self, nbytes: int) -> torch.Tensor:
         """A reusable receive buffer (kept: needing one once means needing it again)."""
