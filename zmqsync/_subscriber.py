@@ -54,7 +54,7 @@ from ._layout import Key, Layout, flatten
 from ._protocol import Ack, Bye, Error, Heartbeat, Hello, Receive, Stop, Welcome, decode, encode
 from ._publisher import DEFAULT, XPUB_WELCOME
 from ._security import CurveClient, client_from_env
-from ._sockets import NOBLOCK, connect, readable, request, resolve_endpoint
+from ._sockets import NOBLOCK, connect, request, resolve_endpoint
 from ._transport import (
     Decision,
     Facts,
@@ -714,24 +714,14 @@ class _Agent:
                     frame = events.recv()
                 except zmq.Again:  # RCVTIMEO: time to look at the clock
                     pass
-                else:
-                    self._on_events(events, frame)
+                else:  # a frame queued behind it is the next recv()'s, at once
+                    if frame != XPUB_WELCOME and frame != _WAKE:
+                        self._on_event(frame)
             now = time.monotonic()
             if now >= next_beat:
                 self._tick(now)
                 next_beat = now + self.heartbeat
         self._send(Bye(self.sub._bus, self.sub.worker_id, self.session), linger_ms=200)
-
-    def _on_events(self, events: zmq.Socket[bytes], frame: bytes) -> None:
-        """Handle `frame`, then whatever else is queued (up to ACK_DRAIN_MAX frames)."""
-        for _ in range(_config.ACK_DRAIN_MAX):
-            if frame != XPUB_WELCOME and frame != _WAKE:
-                self._on_event(frame)
-            if self.events is not events or self._terminating:  # re-handshaken, closing
-                return
-            if not readable(events):
-                return
-            frame = events.recv(NOBLOCK)
 
     def _on_event(self, frame: bytes) -> None:
         sub = self.sub
