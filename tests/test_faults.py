@@ -342,3 +342,28 @@ def test_a_segment_gone_before_the_rejoin_maps_it_is_retried(name, bus_dirs, mon
                 assert torch.equal(sub.weights["w"], torch.ones(4))
         finally:
             sub.close()
+
+
+def test_a_command_to_an_agent_that_already_left_does_not_block(name):
+    """close() tells the agent to stop, then its stop() does so again; the agent may have
+    left in between (no workers to wait for). A PAIR send to an exited peer would block
+    for good: the close of one CI run hung there."""
+    pub = zmqsync.Publisher({"w": torch.zeros(4)}, name=name).start()
+    try:
+        agent = pub._agent
+        assert agent is not None
+        agent.command(b"stop")  # no workers: the agent leaves at once
+        agent._thread.join(10)
+        assert not agent._thread.is_alive()
+        sent = threading.Event()
+
+        def commands() -> None:  # the pipe's end is found closed at the second send
+            for _ in range(3):
+                agent.command(b"stop")
+                time.sleep(0.1)
+            sent.set()
+
+        threading.Thread(target=commands, daemon=True).start()
+        assert sent.wait(5), "a command to an agent that left blocked"
+    finally:
+        pub.close()

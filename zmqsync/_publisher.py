@@ -64,7 +64,7 @@ from ._protocol import (
 )
 from ._registry import Registry, WorkerInfo
 from ._security import Authenticator, CurveServer, require_security
-from ._sockets import RCVMORE, bind, connect, protect_ipc, readable, sibling_endpoint
+from ._sockets import RCVMORE, bind, connect, post, protect_ipc, readable, sibling_endpoint
 from ._transport import registered
 
 __all__ = ["DEFAULT", "Publish", "Publisher"]
@@ -705,8 +705,8 @@ class _Agent:
 
     def command(self, cmd: bytes) -> None:
         with self.pub._pipe_lock:
-            if not self._pipe_in.closed:
-                self._pipe_in.send(cmd)
+            if not self._pipe_in.closed and not post(self._pipe_in, cmd):
+                log.debug("publisher agent gone: command %r dropped", cmd[:16])
 
     def stop(self) -> None:
         if self._thread.is_alive():

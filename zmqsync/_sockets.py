@@ -25,6 +25,7 @@ __all__ = [
     "Secure",
     "bind",
     "connect",
+    "post",
     "protect_ipc",
     "readable",
     "request",
@@ -40,6 +41,18 @@ Secure = Callable[[zmq.Socket[bytes]], None] | None  # applies CURVE options, or
 # flag argument built from one is a Python-level call per message.
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
 NOBLOCK, RCVMORE = int(zmq.NOBLOCK), int(zmq.RCVMORE)
+
+
+def post(sock: zmq.Socket[bytes], *frames: bytes) -> bool:
+    """Send on an inproc pipe to an agent thread without blocking; False if it was not
+    taken. A PAIR send blocks for good once the agent thread has exited (its end of the
+    pipe is closed), and a caller cannot know that it has not: `is_alive()` then
+    `send()` races with the agent leaving on its own (after a close's STOP)."""
+    try:
+        sock.send_multipart(frames, NOBLOCK)
+    except zmq.Again:
+        return False
+    return True
 
 
 def readable(sock: zmq.Socket[bytes]) -> bool:

@@ -127,7 +127,16 @@ from ._protocol import (
 )
 from ._publisher import Publish, Publisher
 from ._security import is_loopback
-from ._sockets import NOBLOCK, bind, connect, protect_ipc, readable, request, sibling_endpoint
+from ._sockets import (
+    NOBLOCK,
+    bind,
+    connect,
+    post,
+    protect_ipc,
+    readable,
+    request,
+    sibling_endpoint,
+)
 from ._subscriber import Subscriber
 
 __all__ = ["Relay", "RelayInfo", "RelayRoot", "Relayed", "inspect_relays"]
@@ -1869,14 +1878,14 @@ class _RootAgent:
 
     def send_to(self, identity: bytes, msg: _Message) -> None:
         with self._pipe_lock:
-            if not self._pipe_in.closed:
-                self._pipe_in.send_multipart([b"to", identity, _encode(msg)])
+            if not self._pipe_in.closed and not post(self._pipe_in, b"to", identity, _encode(msg)):
+                log.debug("relay root agent gone: %s dropped", msg.TYPE)
 
     def stop(self) -> None:
         if self._thread.is_alive():
             with self._pipe_lock:
                 if not self._pipe_in.closed:
-                    self._pipe_in.send_multipart([b"stop"])
+                    post(self._pipe_in, b"stop")
             self._thread.join(_config.THREAD_JOIN_S)
             if self._thread.is_alive():
                 log.warning("relay root agent thread did not stop within its deadline")
@@ -2809,7 +2818,7 @@ class _RelayAgent:
     def _poke(self, cmd: bytes) -> None:
         with self._pipe_lock:
             if not self._pipe_in.closed:
-                self._pipe_in.send(cmd)
+                post(self._pipe_in, cmd)
 
     def stop(self) -> None:
         if self._thread.is_alive():
