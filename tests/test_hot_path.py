@@ -130,6 +130,30 @@ def test_every_copy_path_delivers_exact_values(name, mode):
                 assert torch.equal(flatten(worker)[key], expected), (step, key)
 
 
+def test_copy_mode_follows_a_storage_that_was_freed_and_reallocated(name):
+    """FSDP frees a parameter by resizing its storage to 0 and re-allocates it later: the
+    memmove the copy plan keeps must go to the new memory, never the freed one."""
+    trainer, worker = torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)
+    with (
+        zmqsync.Publisher(trainer, name=name, timeout=20) as pub,
+        zmqsync.Subscriber(name=name, model=worker, mode="copy") as sub,
+    ):
+        for step in range(1, 5):
+            storage = worker.weight.untyped_storage()
+            nbytes = storage.nbytes()
+            keep = torch.empty(1 << 16)  # the allocator hands the freed block to someone else
+            storage.resize_(0)
+            filler = torch.full((nbytes // 4,), -1.0)
+            storage.resize_(nbytes)
+            with torch.no_grad():
+                trainer.weight.fill_(step)
+            pub.publish()
+            assert sub.wait_for_version(pub.version, timeout=20)
+            assert torch.equal(worker.weight, trainer.weight), step
+            assert torch.equal(filler, torch.full_like(filler, -1.0)), "freed memory written"
+            del keep
+
+
 def test_many_threads_publish_and_wait_at_once(name):
     model = torch.nn.Linear(8, 8)
     errors: list[BaseException] = []

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -81,17 +82,22 @@ class Target:
     def copy_from(self, views: Mapping[Key, torch.Tensor]) -> None:
         """Copy one slot into the model's own tensors.
 
-        Large CPU tensors are copied by one memmove each, on this thread: torch's
-        intra-op threads fight the other workers for the same cores (a 64 MB copy went
-        from 6 ms to 8 ms and worse with the other core busy). The rest goes through one
-        `_foreach_copy_`: the per-tensor dispatch of thousands of small `copy_` calls
-        cost more than their bytes.
+        CPU tensors are copied by one memmove each, on this thread, when they are large
+        (torch's intra-op threads fight the other workers for the same cores: a 64 MB
+        copy went from 6 ms to 8 ms and worse with the other core busy) or when the
+        model has few tensors (a worker wakes with cold caches, and torch's dispatcher
+        touches far more code than memmove: 8 small copies cost a worker ~25 us of CPU
+        more per version that way on the bench). The rest goes through one
+        `_foreach_copy_`: the dispatch of thousands of small `copy_` calls cost more than
+        their bytes. A memmove writes where the plan saw the tensor; every copy first
+        checks those addresses (a storage resized under the model moves or frees them)
+        and plans again if one changed.
         """
         plan = self._copy_plans.get(id(views))
-        if plan is None or plan[0] is not views:
-            plan = (views, _copy_plan(self.tensors, views))
+        if plan is None or plan[0] is not views or not plan[1].still_valid():
+            plan = (views, _CopyPlan.of(self.tensors, views))
             self._copy_plans[id(views)] = plan
-        _run_copy_plan(plan[1])
+        plan[1].run()
 
     def alias_to(self, views: dict[Key, torch.Tensor]) -> None:
         """Point the model's tensors at one slot: one ``.data`` or dict store per tensor.
@@ -127,8 +133,8 @@ def _home(key: Key, mode: str, device: str | None, views: Mapping[Key, torch.dev
 
 _Binder = tuple[Callable[[torch.Tensor], None], torch.Tensor]
 _Pairs = tuple[list[torch.Tensor], list[torch.Tensor]]
-_CopyPlan = tuple[list[tuple[int, int, int]], _Pairs, _Pairs]
-_MEMMOVE_MIN = 1 << 20  # bytes: below this, one copy is mostly dispatch overhead
+_MEMMOVE_MIN = 1 << 20  # bytes: a tensor this large is always copied by memmove
+_MEMMOVE_ALL_MAX = 64  # tensors: a model with at most this many copies them all so
 
 
 def _binders(model: Any, views: Mapping[Key, torch.Tensor]) -> list[_Binder]:
@@ -156,37 +162,58 @@ def _module_setter(module: torch.nn.Module, key: Key) -> Callable[[torch.Tensor]
     return partial(owner._buffers.__setitem__, name)
 
 
-def _copy_plan(dsts: Mapping[Key, torch.Tensor], views: Mapping[Key, torch.Tensor]) -> _CopyPlan:
-    """Split the copies: big contiguous CPU ones by memmove, small ones on one device in
-    one foreach, the rest (across devices: the CUDA transport's fallback) one by one."""
-    moves: list[tuple[int, int, int]] = []
-    small: _Pairs = ([], [])
-    other: _Pairs = ([], [])
-    for key, dst in dsts.items():
-        src = views[key]
-        nbytes = dst.numel() * dst.element_size()
-        if (
-            nbytes >= _MEMMOVE_MIN
-            and dst.device.type == "cpu"
-            and src.device.type == "cpu"
-            and dst.dtype == src.dtype
-            and dst.is_contiguous()
-            and src.is_contiguous()
-        ):
-            moves.append((dst.data_ptr(), src.data_ptr(), nbytes))
-        else:
-            pairs = small if dst.device == src.device else other
-            pairs[0].append(dst)
-            pairs[1].append(src)
-    return moves, small, other
+@dataclass(frozen=True)
+class _CopyPlan:
+    """One slot's copies, grouped once: memmoves, one foreach, the cross-device rest."""
 
+    moves: list[tuple[int, int, int]]  # (dst address, src address, bytes)
+    moved: list[torch.Tensor]  # the memmove destinations
+    addresses: list[int]  # where they were when planned
+    small: _Pairs  # same device: one foreach
+    other: _Pairs  # across devices (the CUDA transport's fallback): one by one
 
-def _run_copy_plan(plan: _CopyPlan) -> None:
-    moves, small, other = plan
-    for dst, src, nbytes in moves:  # ctypes releases the GIL around the call
-        ctypes.memmove(dst, src, nbytes)
-    with torch.no_grad():
-        if small[0]:
-            torch._foreach_copy_(*small)
-        for dst_tensor, src_tensor in zip(*other, strict=True):
-            dst_tensor.copy_(src_tensor)
+    @classmethod
+    def of(cls, dsts: Mapping[Key, torch.Tensor], views: Mapping[Key, torch.Tensor]) -> _CopyPlan:
+        every = len(dsts) <= _MEMMOVE_ALL_MAX
+        moves: list[tuple[int, int, int]] = []
+        moved: list[torch.Tensor] = []
+        small: _Pairs = ([], [])
+        other: _Pairs = ([], [])
+        for key, dst in dsts.items():
+            src = views[key]
+            nbytes = dst.numel() * dst.element_size()
+            if (
+                (every or nbytes >= _MEMMOVE_MIN)
+                and dst.device.type == "cpu"
+                and src.device.type == "cpu"
+                and dst.dtype == src.dtype
+                and dst.is_contiguous()
+                and src.is_contiguous()
+                and dst.data_ptr() != 0  # an empty (freed) storage: let torch say so
+            ):
+                moves.append((dst.data_ptr(), src.data_ptr(), nbytes))
+                moved.append(dst)
+            else:
+                pairs = small if dst.device == src.device else other
+                pairs[0].append(dst)
+                pairs[1].append(src)
+        return cls(moves, moved, [dst for dst, _, _ in moves], small, other)
+
+    def still_valid(self) -> bool:
+        """Whether every memmove destination is still where the plan saw it.
+
+        The destinations are this target's own detached aliases, so no one else can
+        change their shape or strides; their storage, shared with the model, can still
+        be resized (as FSDP does to free a parameter), and that moves or frees it.
+        """
+        return [t.data_ptr() for t in self.moved] == self.addresses
+
+    def run(self) -> None:
+        for dst, src, nbytes in self.moves:  # ctypes releases the GIL around the call
+            ctypes.memmove(dst, src, nbytes)
+        small, other = self.small, self.other
+        with torch.no_grad():
+            if small[0]:
+                torch._foreach_copy_(*small)
+            for dst_tensor, src_tensor in zip(*other, strict=True):
+                dst_tensor.copy_(src_tensor)
