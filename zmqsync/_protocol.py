@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Any, ClassVar, TypeAlias
+from typing import Any, ClassVar, Protocol, TypeAlias
 
 import msgpack
 
@@ -89,7 +89,16 @@ DTYPES: dict[str, int] = {
 _HEX16 = re.compile(r"^[0-9a-f]{16}\Z")  # \Z: "$" would let a final "\n" in
 _SEGMENT = re.compile(r"^zmqsync-[A-Za-z0-9_.-]{1,160}\Z")
 
-Check: TypeAlias = Callable[[Any, str], Any]
+
+class Check(Protocol):
+    """A field check: the value (possibly converted), or ProtocolError.
+
+    It gets where the value sits as the enclosing path and the field's name (or list
+    index), and formats the path only when it fails: a decode runs several checks per
+    message, and building their paths cost as much as the checks themselves.
+    """
+
+    def __call__(self, value: Any, where: str, name: str | int = "", /) -> Any: ...
 
 
 # --- field checks: each returns the (possibly converted) value or raises ProtocolError ---
@@ -97,6 +106,13 @@ Check: TypeAlias = Callable[[Any, str], Any]
 
 def _fail(where: str, why: str) -> ProtocolError:
     return ProtocolError(f"{where}: {why}")
+
+
+def _at(where: str, name: str | int) -> str:
+    """The path of a field (``where.name``) or list item (``where[name]``)."""
+    if type(name) is int:
+        return f"{where}[{name}]"
+    return f"{where}.{name}" if name != "" else where
 
 
 def _show(value: Any, limit: int) -> str:
@@ -110,11 +126,11 @@ def _show(value: Any, limit: int) -> str:
 
 
 def _int(lo: int = 0, hi: int = MAX_U63) -> Check:
-    def check(value: Any, where: str) -> int:
+    def check(value: Any, where: str, name: str | int = "") -> int:
         if type(value) is not int:
-            raise _fail(where, f"expected an integer, got {type(value).__name__}")
+            raise _fail(_at(where, name), f"expected an integer, got {type(value).__name__}")
         if not lo <= value <= hi:
-            raise _fail(where, f"{value} is outside [{lo}, {hi}]")
+            raise _fail(_at(where, name), f"{value} is outside [{lo}, {hi}]")
         return value
 
     check.__doc__ = f"int in [{lo}, {hi}]"
@@ -122,26 +138,38 @@ def _int(lo: int = 0, hi: int = MAX_U63) -> Check:
 
 
 def _float(lo: float, hi: float) -> Check:
-    def check(value: Any, where: str) -> float:
+    def check(value: Any, where: str, name: str | int = "") -> float:
         # ints are finite; math.isfinite(int) would overflow above ~1e308
         if type(value) is not int and (type(value) is not float or not math.isfinite(value)):
-            raise _fail(where, "expected a finite number")
+            raise _fail(_at(where, name), "expected a finite number")
         if not lo <= value <= hi:
-            raise _fail(where, f"{value} is outside [{lo}, {hi}]")
+            raise _fail(_at(where, name), f"{value} is outside [{lo}, {hi}]")
         return float(value)
 
     check.__doc__ = f"float in [{lo}, {hi}]"
     return check
 
 
+_PASSED_MAX = 1024  # strings a text check remembers as valid (then it starts over)
+
+
 def _text(max_len: int, pattern: re.Pattern[str] | None = None, empty: bool = True) -> Check:
-    def check(value: Any, where: str) -> str:
+    # The same few strings (bus, worker ids, sessions) come in every message: one set
+    # lookup instead of a regex match. Bounded, so junk cannot grow it.
+    passed: set[str] = set()
+
+    def check(value: Any, where: str, name: str | int = "") -> str:
         if type(value) is not str:
-            raise _fail(where, f"expected a string, got {type(value).__name__}")
+            raise _fail(_at(where, name), f"expected a string, got {type(value).__name__}")
+        if value in passed:
+            return value
         if len(value) > max_len or (not value and not empty):
-            raise _fail(where, f"string length {len(value)} not allowed")
+            raise _fail(_at(where, name), f"string length {len(value)} not allowed")
         if value and pattern is not None and not pattern.match(value):
-            raise _fail(where, f"{value[:80]!r} does not match {pattern.pattern}")
+            raise _fail(_at(where, name), f"{value[:80]!r} does not match {pattern.pattern}")
+        if len(passed) >= _PASSED_MAX:
+            passed.clear()
+        passed.add(value)
         return value
 
     rule = f", matching {pattern.pattern}" if pattern is not None else ""
@@ -150,9 +178,9 @@ def _text(max_len: int, pattern: re.Pattern[str] | None = None, empty: bool = Tr
 
 
 def _choice(*options: str) -> Check:
-    def check(value: Any, where: str) -> str:
+    def check(value: Any, where: str, name: str | int = "") -> str:
         if type(value) is not str or value not in options:
-            raise _fail(where, f"expected one of {options}, got {_show(value, 40)!r}")
+            raise _fail(_at(where, name), f"expected one of {options}, got {_show(value, 40)!r}")
         return value
 
     check.__doc__ = "one of " + ", ".join(f'"{o}"' for o in options)
@@ -160,9 +188,9 @@ def _choice(*options: str) -> Check:
 
 
 def _bin(max_len: int) -> Check:
-    def check(value: Any, where: str) -> bytes:
+    def check(value: Any, where: str, name: str | int = "") -> bytes:
         if type(value) is not bytes or len(value) > max_len:
-            raise _fail(where, f"expected at most {max_len} bytes")
+            raise _fail(_at(where, name), f"expected at most {max_len} bytes")
         return value
 
     check.__doc__ = f"bytes, at most {max_len}"
@@ -170,49 +198,62 @@ def _bin(max_len: int) -> Check:
 
 
 def _list(item: Check, max_len: int) -> Check:
-    def check(value: Any, where: str) -> tuple[Any, ...]:
+    def check(value: Any, where: str, name: str | int = "") -> tuple[Any, ...]:
         if type(value) is not list:
-            raise _fail(where, f"expected a list, got {type(value).__name__}")
+            raise _fail(_at(where, name), f"expected a list, got {type(value).__name__}")
         if len(value) > max_len:
-            raise _fail(where, f"list of {len(value)} items (at most {max_len})")
-        return tuple(item(v, f"{where}[{i}]") for i, v in enumerate(value))
+            raise _fail(_at(where, name), f"list of {len(value)} items (at most {max_len})")
+        path = _at(where, name)
+        return tuple(item(v, path, i) for i, v in enumerate(value))
 
     check.__doc__ = f"list (at most {max_len}) of {item.__doc__}"
     return check
 
 
-def _counters(value: Any, where: str) -> dict[str, int]:
+def _counters(value: Any, where: str, name: str | int = "") -> dict[str, int]:
     """map str -> int >= 0 (at most 256 entries)"""
+    path = _at(where, name)
     if type(value) is not dict or len(value) > 256:
-        raise _fail(where, "expected a map of at most 256 counters")
-    return {_text(64)(k, where): _int()(v, f"{where}.{k}") for k, v in value.items()}
+        raise _fail(path, "expected a map of at most 256 counters")
+    return {_COUNTER_NAME(k, path): _COUNTER(v, path, k) for k, v in value.items()}
 
 
 def _record(cls: type[Any]) -> Check:
-    def check(value: Any, where: str) -> Any:
+    def check(value: Any, where: str, name: str | int = "") -> Any:
         if type(value) is not dict:
-            raise _fail(where, f"expected a map, got {type(value).__name__}")
-        return _build(cls, value, where)
+            raise _fail(_at(where, name), f"expected a map, got {type(value).__name__}")
+        return _build(cls, value, _at(where, name))
 
     check.__doc__ = f"map: {cls.__name__}"
     return check
 
 
 def _build(cls: type[Any], raw: dict[Any, Any], where: str, skip: tuple[str, ...] = ()) -> Any:
-    table = FIELDS[cls]
+    table = _PLANS.get(cls) or _PLANS.setdefault(cls, _plan(cls))
     if len(raw) != len(table) + len(skip):  # exact field sets are the common case
-        extra = set(raw) - set(table) - set(skip)
+        extra = set(raw) - {name for name, _ in table} - set(skip)
         if extra:
             raise _fail(where, f"unknown field(s) {sorted(map(str, extra))[:5]}")
-    values = {}
-    for name, (check, _doc) in table.items():
-        if name not in raw:
-            raise _fail(where, f"missing field {name!r}")
-        values[name] = check(raw[name], f"{where}.{name}")
     try:
-        return cls(**values)
+        values = [check(raw[name], where, name) for name, check in table]
+    except KeyError:
+        missing = [name for name, _ in table if name not in raw]
+        if not missing:
+            raise  # not a missing field: a bug in a check
+        raise _fail(where, f"missing field {missing[0]!r}") from None
+    try:
+        return cls(*values)
     except ValueError as exc:  # cross-field checks in __post_init__
         raise _fail(where, str(exc)) from exc
+
+
+_PLANS: dict[type[Any], tuple[tuple[str, Check], ...]] = {}
+
+
+def _plan(cls: type[Any]) -> tuple[tuple[str, Check], ...]:
+    """`cls`'s field checks in the order of its constructor's arguments."""
+    table = FIELDS[cls]
+    return tuple((f.name, table[f.name][0]) for f in fields(cls))
 
 
 # --- messages --------------------------------------------------------------------------
@@ -451,6 +492,8 @@ _BUS_OR_EMPTY = _text(16, _HEX16)
 _SESSION = _text(16, _HEX16)
 _ID = _text(128, re.compile(r"^[\x21-\x7e]+\Z"), empty=False)
 _VERSION = _int()
+_COUNTER_NAME = _text(64)
+_COUNTER = _int()
 _SLOT = _int(0, MAX_SLOTS - 1)
 _KEY_PART = _text(256, empty=False)
 _ENDPOINT = _text(512, re.compile(r"^(ipc|tcp|inproc)://"), empty=False)
@@ -615,7 +658,7 @@ def decode(data: bytes, *, bus: str | None = None) -> Message:
             msgpack, wrong `proto`, foreign `bus`, unknown `type`, field of the wrong
             type or out of range). Any other exception is a bug.
     """
-    if not isinstance(data, bytes | bytearray | memoryview):
+    if type(data) is not bytes and not isinstance(data, bytes | bytearray | memoryview):
         raise ProtocolError(f"expected bytes, got {type(data).__name__}")
     if len(data) > MAX_MESSAGE:
         raise ProtocolError(f"message of {len(data)} bytes exceeds {MAX_MESSAGE}")
@@ -625,8 +668,9 @@ def decode(data: bytes, *, bus: str | None = None) -> Message:
         raise ProtocolError(f"not a msgpack message: {type(exc).__name__}: {exc}") from exc
     if type(raw) is not dict:
         raise ProtocolError(f"expected a msgpack map, got {type(raw).__name__}")
-    if raw.get("proto") != PROTO or type(raw.get("proto")) is not int:
-        raise ProtocolError(f"protocol {_show(raw.get('proto'), 20)!r}, expected {PROTO}")
+    proto = raw.get("proto")
+    if proto != PROTO or type(proto) is not int:
+        raise ProtocolError(f"protocol {_show(proto, 20)!r}, expected {PROTO}")
     kind = raw.get("type")
     cls = MESSAGE_TYPES.get(kind) if type(kind) is str else None
     if cls is None:

@@ -842,24 +842,35 @@ class _Agent:
             self._drain_subscriptions(self.tap)
 
     def collect(self, done: Callable[[], bool], deadline: Deadline) -> None:
-        """Handle acks on the calling thread until `done()` or the deadline (caller holds `_io`)."""
-        pub, acks, frame = self.pub, self.acks, None
+        """Handle acks on the calling thread until `done()` or the deadline (caller holds `_io`).
+
+        One blocking recv per ack, and one turn under the lock per ack (apply it, then ask
+        `done()`). A recv finds a queued ack without a system call; asking the socket
+        first whether one is there (ZMQ_EVENTS) makes one every time, and this thread
+        comes to each ack with cold caches after the workers ran, so every step counts.
+        """
+        pub, acks = self.pub, self.acks
+        msg: Message | None = None
+        now = 0.0
         while True:
-            self._on_acks(frame)
             with pub._cond:
+                if msg is not None and self._on_worker_message(msg, now):
+                    pub._cond.notify_all()
                 if done():
                     return
+            msg = None
             left = deadline.remaining()
             if left is not None and left < _COLLECT_WAIT_S:
                 if left <= 0:
                     return
-                self._ack_poller.poll(deadline.poll_ms())
-                frame = None
-                continue
+                if not self._ack_poller.poll(deadline.poll_ms()):
+                    continue
             try:  # a blocking recv (RCVTIMEO) costs less per ack than a poll, then a recv
                 frame = acks.recv()
             except zmq.Again:
-                frame = None
+                continue
+            msg = self._read(frame)
+            now = time.monotonic()
 
     def send_event(self, msg: Message, peer: str = "") -> None:
         """Send on the events socket (caller holds `_io`)."""
@@ -1039,37 +1050,19 @@ class _Agent:
                 counters=dict(pub._counters),
             )
 
-    def _on_acks(self, first: bytes | None = None) -> None:
-        """Handle `first` (a frame already read) and what waits on the acks socket.
+    def _on_acks(self) -> None:
+        """Handle what waits on the acks socket (the caller holds `_io`).
 
-        The caller holds `_io`. Worker messages are decoded first and applied to the
-        registry under one lock.
+        Worker messages are decoded first and applied to the registry under one lock.
         """
         pub, acks, now = self.pub, self.acks, time.monotonic()
         messages: list[Message] = []
         for _ in range(_config.ACK_DRAIN_MAX):
-            if first is not None:
-                frame, first = first, None
-            elif readable(acks):
-                frame = acks.recv()
-            else:
+            if not readable(acks):
                 break
-            more = False
-            while acks.getsockopt(RCVMORE):  # multipart is not ours: read it all, drop
-                acks.recv()
-                more = True
-            try:
-                if more:
-                    raise ProtocolError("expected one frame, got several")
-                msg = decode(frame, bus=pub.bus)
-            except ProtocolError as exc:
-                self._count("rejected")
-                log.debug("dropped message on acks: %s", exc)
-                self._mirror("in", "", frame[:4096])
-                continue
-            if self.tap is not None:
-                self._mirror("in", getattr(msg, "worker_id", ""), frame)
-            messages.append(msg)
+            msg = self._read(acks.recv())
+            if msg is not None:
+                messages.append(msg)
         if messages:
             with pub._cond:
                 changed = False
@@ -1077,6 +1070,25 @@ class _Agent:
                     changed |= self._on_worker_message(msg, now)
                 if changed:
                     pub._cond.notify_all()
+
+    def _read(self, frame: bytes) -> Message | None:
+        """A frame from the acks socket as a message; None (counted) if it is not one."""
+        acks, more = self.acks, False
+        while acks.getsockopt(RCVMORE):  # multipart is not ours: read it all, drop
+            acks.recv()
+            more = True
+        try:
+            if more:
+                raise ProtocolError("expected one frame, got several")
+            msg = decode(frame, bus=self.pub.bus)
+        except ProtocolError as exc:
+            self._count("rejected")
+            log.debug("dropped message on acks: %s", exc)
+            self._mirror("in", "", frame[:4096])
+            return None
+        if self.tap is not None:
+            self._mirror("in", getattr(msg, "worker_id", ""), frame)
+        return msg
 
     def _on_worker_message(self, msg: Message, now: float) -> bool:
         """Apply one worker message to the registry (caller holds `_cond`)."""

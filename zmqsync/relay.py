@@ -111,11 +111,14 @@ from ._errors import ClosedError, ConnectTimeout, ProtocolError, PublishTimeout,
 from ._layout import Key, Layout, torch_dtype
 from ._protocol import (
     MAX_TENSORS,
+    Check,
     Inspect,
     State,
     TensorSpec,
     WorkerState,
+    _at,
     _choice,
+    _counters,
     _float,
     _int,
     _list,
@@ -168,7 +171,6 @@ _RELAY_ID = _text(128, re.compile(r"^[\x21-\x7e]+\Z"), empty=False)
 _VERSION = _int(-1)
 _GEN = _int(0)
 _REASON = _text(512)
-Check: TypeAlias = Callable[[Any, str], Any]
 
 
 @dataclass(frozen=True, slots=True)
@@ -350,17 +352,11 @@ _Message: TypeAlias = (
 )
 
 
-def _counters(value: Any, where: str) -> dict[str, int]:
-    if type(value) is not dict or len(value) > 256:
-        raise ProtocolError(f"{where}: expected a map of at most 256 counters")
-    return {_text(64)(k, where): _int()(v, f"{where}.{k}") for k, v in value.items()}
-
-
 def _relay_record(cls: type[Any]) -> Check:
-    def check(value: Any, where: str) -> Any:
+    def check(value: Any, where: str, name: str | int = "") -> Any:
         if type(value) is not dict:
-            raise ProtocolError(f"{where}: expected a map, got {type(value).__name__}")
-        return _build(cls, value, where)
+            raise ProtocolError(f"{_at(where, name)}: expected a map, got {type(value).__name__}")
+        return _build(cls, value, _at(where, name))
 
     return check
 
@@ -457,7 +453,7 @@ def _build(cls: type[Any], raw: dict[Any, Any], where: str, skip: tuple[str, ...
     for name, check in table.items():
         if name not in raw:
             raise ProtocolError(f"{where}: missing field {name!r}")
-        values[name] = check(raw[name], f"{where}.{name}")
+        values[name] = check(raw[name], where, name)
     return cls(**values)
 
 
