@@ -212,6 +212,8 @@ class _CopyPlan:
         for dst, src, nbytes in self.moves:  # ctypes releases the GIL around the call
             ctypes.memmove(dst, src, nbytes)
         small, other = self.small, self.other
+        if not small[0] and not other[0]:
+            return
         with torch.no_grad():
             if small[0]:
                 torch._foreach_copy_(*small)

@@ -376,12 +376,14 @@ class Subscriber:
                     continue
                 if self.mode == "copy":
                     target.copy_from(views[slot])
-                    _synchronize(self._sync_devices)  # GPU copies have read the slot
+                    if self._sync_devices:  # GPU copies have read the slot
+                        _synchronize(self._sync_devices)
                     if not header.read_valid(slot, counter):
                         continue
                 else:
                     target.alias_to(views[slot])
-                    _synchronize(self._sync_devices)  # no queued work reads the old slot
+                    if self._sync_devices:  # no queued work reads the old slot
+                        _synchronize(self._sync_devices)
                 with self._cond:
                     self._held = (slot, counter) if self.mode == "alias" else None
                     self._version, self._version_bus = version, offer.bus
