@@ -8,9 +8,11 @@ that leaks a segment fails, and the segments are removed either way.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -66,6 +68,23 @@ class Proc:
                         f"records={self.records[-3:]} stderr={self.stderr[-2000:]}"
                     )
                 self._cond.wait(min(left, 0.2))
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGSTOP, then wait until every thread is stopped: kill() only queues the
+        signal, and a thread that is on a CPU at that moment runs on for a while (long
+        enough, on a loaded machine, to apply and ack one more version)."""
+        self.proc.send_signal(signal.SIGSTOP)
+        tasks, end = f"/proc/{self.proc.pid}/task", time.monotonic() + timeout
+        while time.monotonic() < end:
+            states = []
+            for tid in os.listdir(tasks):
+                with contextlib.suppress(FileNotFoundError):
+                    with open(f"{tasks}/{tid}/stat") as f:
+                        states.append(f.read().rsplit(")", 1)[1].split()[0])
+            if states and all(state in "tT" for state in states):
+                return
+            time.sleep(0.005)
+        raise AssertionError(f"{self.cmd[-4:]} did not stop within {timeout} s")
 
     def finish(self, timeout: float = 30.0) -> int:
         try:

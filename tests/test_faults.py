@@ -69,7 +69,7 @@ def test_straggler_is_evicted_then_catches_up_after_sigcont(spawn, name):
         ok, slow = _worker(spawn, name, "ok"), _worker(spawn, name, "slow")
         assert pub.wait_for_workers(2, timeout=60)
         _applied(ok, 0), _applied(slow, 0)
-        slow.proc.send_signal(signal.SIGSTOP)
+        slow.stop()
         try:
             p = pub.publish(weights={"w": torch.full((16,), 1.0)})
             assert p.missing == ("slow",) and p.acked == ("ok",)
@@ -91,7 +91,7 @@ def test_straggler_with_raise_names_it_and_the_bus_goes_on(spawn, name):
         slow = _worker(spawn, name, "slow")
         assert pub.wait_for_workers(1, timeout=60)
         _applied(slow, 0)
-        slow.proc.send_signal(signal.SIGSTOP)
+        slow.stop()
         try:
             with pytest.raises(zmqsync.PublishTimeout) as info:
                 pub.publish()
@@ -282,7 +282,7 @@ def test_a_worker_dropped_mid_publish_is_missing_not_acked(spawn, name):
         ok, dead = _worker(spawn, name, "alive"), _worker(spawn, name, "dead")
         assert pub.wait_for_workers(2, timeout=60)
         _applied(ok, 0), _applied(dead, 0)
-        dead.proc.send_signal(signal.SIGSTOP)
+        dead.stop()
         try:
             p = pub.publish()  # returns once "dead" is dropped as silent (~6 beats)
             assert p.acked == ("alive",) and p.missing == ("dead",)
