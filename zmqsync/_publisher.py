@@ -25,6 +25,7 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import logging
 import os
@@ -486,8 +487,13 @@ class Publisher:
                     (key, view)
                 )
         mirror = [(key, self._slot_views[slot][key]) for key in gpu]
+        moves = (
+            [(v.data_ptr(), v.numel() * v.element_size()) for _, v in small]
+            if len(small) <= _MEMMOVE_ALL_MAX
+            else []
+        )
         return _WritePlan(
-            list(gpu.items()), [k for k, _ in small], [v for _, v in small], big, mirror
+            list(gpu.items()), [k for k, _ in small], [v for _, v in small], moves, big, mirror
         )
 
     def _write(
@@ -498,21 +504,29 @@ class Publisher:
         header = self._segment.header
         plan = self._write_plans[slot]
         header.begin_write(slot)
-        with torch.no_grad():
-            for key, view in plan.gpu:  # device to device, queued on the current stream
-                view.copy_(flat[key])
-            if plan.small_keys:
-                sources = [flat[key] for key in plan.small_keys]
-                try:
-                    torch._foreach_copy_(plan.small_views, sources)
-                except RuntimeError:  # e.g. a tensor moved to another device since start
-                    for view, source in zip(plan.small_views, sources, strict=True):
-                        view.copy_(source)
-            for key, view in plan.big:  # torch's threads: the trainer's cores are free now
-                view.copy_(flat[key])
-            if mirror:
-                for key, view in plan.mirror:
+        sources = [flat[key] for key in plan.small_keys]
+        if (
+            not plan.gpu
+            and not plan.big
+            and not mirror
+            and _memmove_from(sources, plan.small_moves)
+        ):
+            pass  # a few small CPU tensors: no dispatcher, no grad mode (see _memmove_from)
+        else:
+            with torch.no_grad():
+                for key, view in plan.gpu:  # device to device, queued on the current stream
                     view.copy_(flat[key])
+                if sources:
+                    try:
+                        torch._foreach_copy_(plan.small_views, sources)
+                    except RuntimeError:  # e.g. a tensor moved to another device since start
+                        for view, source in zip(plan.small_views, sources, strict=True):
+                            view.copy_(source)
+                for key, view in plan.big:  # torch's threads: the trainer's cores are free
+                    view.copy_(flat[key])
+                if mirror:
+                    for key, view in plan.mirror:
+                        view.copy_(flat[key])
         for device in self._streams:  # the bytes are in place before the header says so
             torch.cuda.current_stream(device).synchronize()
         header.end_write(slot, version)
@@ -641,6 +655,7 @@ class Publisher:
 
 
 _FOREACH_MAX = 1 << 20  # bytes: smaller CPU tensors are copied together by one foreach
+_MEMMOVE_ALL_MAX = 64  # tensors: a model of only this many small ones is written by memmove
 
 
 @dataclasses.dataclass(frozen=True)
@@ -648,8 +663,28 @@ class _WritePlan:
     gpu: list[tuple[Key, torch.Tensor]]  # tensors kept in a CUDA buffer
     small_keys: list[Key]  # CPU tensors copied together
     small_views: list[torch.Tensor]
+    small_moves: list[tuple[int, int]]  # (address, bytes) of those views; [] if too many
     big: list[tuple[Key, torch.Tensor]]  # CPU tensors copied one by one (torch's threads)
     mirror: list[tuple[Key, torch.Tensor]]  # CPU copies of the CUDA tensors
+
+
+def _memmove_from(sources: list[torch.Tensor], moves: list[tuple[int, int]]) -> bool:
+    """Write a few small CPU tensors to their places in the slot by memmove; False (nothing
+    written) when there is no such plan or a source is not a contiguous CPU tensor.
+
+    The publishing thread comes back to each publish with cold caches, after the
+    workers ran; torch's dispatcher and `torch.no_grad()` touch far more code than a
+    memmove does (the subscriber's copy plan does the same). Shapes and dtypes were
+    checked against the layout.
+    """
+    if not moves:
+        return False
+    for source in sources:
+        if not source.is_cpu or not source.is_contiguous():
+            return False
+    for source, (address, nbytes) in zip(sources, moves, strict=True):
+        ctypes.memmove(address, source.data_ptr(), nbytes)
+    return True
 
 
 def _refuse_if_served(address: str) -> None:

@@ -48,13 +48,14 @@ class Member:
     acked: int = -1
     last_seen: float = 0.0  # monotonic
 
-    def busy_versions(self, latest: int) -> set[int] | range:
-        """Versions this worker may be reading now or (alias) computing with."""
+    def busy_with(self, version: int, latest: int) -> bool:
+        """Whether this worker may be reading `version` now or (alias) computing with it:
+        any version after the one it acked (or from its floor) up to `latest`, and in
+        alias mode the acked one itself."""
         start = self.floor if self.acked < self.floor else self.acked + 1
-        busy: set[int] | range = range(start, latest + 1)
-        if self.mode == "alias" and self.acked >= 0:
-            busy = set(busy) | {self.acked}
-        return busy
+        if start <= version <= latest:
+            return True
+        return self.mode == "alias" and version == self.acked >= 0
 
 
 class Registry:
@@ -153,7 +154,7 @@ class Registry:
             w
             for w, m in self.members.items()
             if version >= 0
-            and version in m.busy_versions(self.latest)
+            and m.busy_with(version, self.latest)
             and not (single and m.mode == "alias" and m.acked == version)
         ]
 
