@@ -154,6 +154,48 @@ def test_copy_mode_follows_a_storage_that_was_freed_and_reallocated(name):
             del keep
 
 
+def test_the_all_acked_check_agrees_with_missing_whatever_the_order(name):
+    """The publishing thread's O(1)-per-ack check must say done exactly when
+    `Registry.missing` is empty: acks in any order, a target that leaves, one that leaves
+    and re-joins (un-acked again) before the end."""
+    import random
+
+    from zmqsync._protocol import Hello
+
+    with zmqsync.Publisher({"w": torch.zeros(4)}, name=name, heartbeat=30) as pub:
+        reg, rng = pub._registry, random.Random(7)
+        for trial in range(50):
+            with pub._cond:
+                for w in list(reg.members):
+                    reg.leave(w, reg.members[w].session)
+                ids = [f"w{i}" for i in range(rng.randint(1, 12))]
+                for w in ids:
+                    reg.join(Hello(pub.bus, w, 1, "h", "copy", "cpu"), w, 0.0)
+                version = reg.latest + 1
+                reg.record(version, 0)
+                ready = pub._all_acked(version, tuple(ids))
+                events = [("ack", w) for w in ids]
+                events += [("leave", w) for w in rng.sample(ids, rng.randint(0, len(ids)))]
+                if trial % 3 == 0:
+                    events.append(("rejoin", rng.choice(ids)))
+                rng.shuffle(events)
+                for kind, w in events:
+                    assert ready() == (not reg.missing(version, tuple(ids))), (trial, kind, w)
+                    member = reg.members.get(w)
+                    if kind == "ack" and member is not None:
+                        reg.ack(w, member.session, version, 0.0)
+                    elif kind == "leave" and member is not None:
+                        reg.leave(w, member.session)
+                    elif kind == "rejoin":
+                        if member is not None:
+                            reg.leave(w, member.session)
+                        reg.join(Hello(pub.bus, w, 1, "h", "copy", "cpu"), w + "x", 0.0)
+                assert ready() == (not reg.missing(version, tuple(ids))), trial
+                for w in list(reg.members):  # whoever is left acks: then done
+                    reg.ack(w, reg.members[w].session, version, 0.0)
+                assert ready()
+
+
 def test_many_threads_publish_and_wait_at_once(name):
     model = torch.nn.Linear(8, 8)
     errors: list[BaseException] = []

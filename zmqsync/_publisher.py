@@ -577,7 +577,7 @@ class Publisher:
 
     def _wait(self, handle: Publish, deadline: Deadline) -> Publish:
         version, targets = handle.version, handle.targets
-        self._await(lambda: not self._registry.missing(version, targets), deadline)
+        self._await(self._all_acked(version, targets), deadline)
         with self._cond:
             if missing := self._registry.missing(version, targets):
                 self._check_usable()
@@ -585,6 +585,29 @@ class Publisher:
                 self._on_deadline(version, acked, missing, "did not ack")
             handle._finish(self._registry.acked(version, targets))
         return handle
+
+    def _all_acked(self, version: int, targets: tuple[str, ...]) -> Callable[[], bool]:
+        """A check, asked after every ack (under `_cond`), of whether no target is missing.
+
+        Asking `Registry.missing` each time costs O(targets) per ack, O(N^2) per publish
+        (64 workers: 4,096 lookups). This one keeps the targets not yet seen done and looks
+        at the last of them: one lookup per ack while it has not acked, each target
+        dropped once. Acks only grow and members only leave, so a dropped target stays
+        done, except one that re-joins meanwhile: the full check runs once at the end.
+        """
+        registry, pending = self._registry, list(targets)
+
+        def ready() -> bool:
+            members = registry.members
+            while pending:
+                member = members.get(pending[-1])
+                if member is not None and member.acked < version:
+                    return False
+                pending.pop()
+            pending.extend(registry.missing(version, targets))
+            return not pending
+
+        return ready
 
     def _await(self, ready: Callable[[], bool], deadline: Deadline) -> None:
         """Block until `ready()` (called under `_cond`) or the deadline; reads acks itself.
