@@ -196,6 +196,30 @@ def test_the_all_acked_check_agrees_with_missing_whatever_the_order(name):
                 assert ready()
 
 
+@pytest.mark.parametrize("mode", ["copy", "alias"])
+def test_conjugate_views_arrive_as_their_values(name, mode):
+    """memmove copies bytes; a conj() view's bytes are not its values (torch applies the
+    bit lazily), so such tensors must go through torch, on the publisher's side and into a
+    worker's own conj() tensor."""
+    base = torch.randn(8, dtype=torch.complex64)
+    weights = {"z": base.conj(), "r": torch.randn(8)}
+    worker = {"z": torch.zeros(8, dtype=torch.complex64).conj(), "r": torch.zeros(8)}
+    if mode == "alias":
+        worker = None
+    with (
+        zmqsync.Publisher(weights, name=name, timeout=20) as pub,
+        zmqsync.Subscriber(name=name, model=worker, mode=mode) as sub,
+    ):
+        for step in range(1, 4):
+            base.mul_(step)
+            pub.publish()
+            assert sub.wait_for_version(pub.version, timeout=20)
+            got = sub.weights
+            assert torch.equal(got["z"], base.conj()), step
+            if worker is not None:
+                assert torch.equal(worker["z"], base.conj()), step
+
+
 def test_many_threads_publish_and_wait_at_once(name):
     model = torch.nn.Linear(8, 8)
     errors: list[BaseException] = []

@@ -170,7 +170,7 @@ class _CopyPlan:
     moved: list[torch.Tensor]  # the memmove destinations
     addresses: list[int]  # where they were when planned
     small: _Pairs  # same device: one foreach
-    other: _Pairs  # across devices (the CUDA transport's fallback): one by one
+    other: _Pairs  # across devices (the CUDA transport's fallback), conj/neg: one by one
 
     @classmethod
     def of(cls, dsts: Mapping[Key, torch.Tensor], views: Mapping[Key, torch.Tensor]) -> _CopyPlan:
@@ -189,12 +189,16 @@ class _CopyPlan:
                 and dst.dtype == src.dtype
                 and dst.is_contiguous()
                 and src.is_contiguous()
+                and not dst.is_conj()  # a conj/neg view's bytes are not its values
+                and not dst.is_neg()
                 and dst.data_ptr() != 0  # an empty (freed) storage: let torch say so
             ):
                 moves.append((dst.data_ptr(), src.data_ptr(), nbytes))
                 moved.append(dst)
             else:
-                pairs = small if dst.device == src.device else other
+                # foreach takes neither a conj/neg destination nor one on another device
+                plain = not dst.is_conj() and not dst.is_neg()
+                pairs = small if dst.device == src.device and plain else other
                 pairs[0].append(dst)
                 pairs[1].append(src)
         return cls(moves, moved, [dst for dst, _, _ in moves], small, other)

@@ -505,14 +505,8 @@ class Publisher:
         plan = self._write_plans[slot]
         header.begin_write(slot)
         sources = [flat[key] for key in plan.small_keys]
-        if (
-            not plan.gpu
-            and not plan.big
-            and not mirror
-            and _memmove_from(sources, plan.small_moves)
-        ):
-            pass  # a few small CPU tensors: no dispatcher, no grad mode (see _memmove_from)
-        else:
+        # A few small CPU tensors go by memmove: no dispatcher, no grad mode.
+        if plan.gpu or plan.big or mirror or not _memmove_from(sources, plan.small_moves):
             with torch.no_grad():
                 for key, view in plan.gpu:  # device to device, queued on the current stream
                     view.copy_(flat[key])
@@ -693,7 +687,7 @@ class _WritePlan:
 
 def _memmove_from(sources: list[torch.Tensor], moves: list[tuple[int, int]]) -> bool:
     """Write a few small CPU tensors to their places in the slot by memmove; False (nothing
-    written) when there is no such plan or a source is not a contiguous CPU tensor.
+    written) when there is no such plan or a source is not a plain contiguous CPU tensor.
 
     The publishing thread comes back to each publish with cold caches, after the
     workers ran; torch's dispatcher and `torch.no_grad()` touch far more code than a
@@ -702,8 +696,8 @@ def _memmove_from(sources: list[torch.Tensor], moves: list[tuple[int, int]]) -> 
     """
     if not moves:
         return False
-    for source in sources:
-        if not source.is_cpu or not source.is_contiguous():
+    for source in sources:  # a conj/neg view's bytes are not its values: torch copies it
+        if not source.is_cpu or not source.is_contiguous() or source.is_conj() or source.is_neg():
             return False
     for source, (address, nbytes) in zip(sources, moves, strict=True):
         ctypes.memmove(address, source.data_ptr(), nbytes)
