@@ -18,7 +18,15 @@ from typing import Any
 import torch
 
 from ._errors import LayoutMismatch
-from ._layout import Key, Layout, flatten, to_tensordict, torch_dtype
+from ._layout import (
+    MEMMOVE_ALL_MAX,
+    Key,
+    Layout,
+    bytes_are_values,
+    flatten,
+    to_tensordict,
+    torch_dtype,
+)
 
 __all__ = ["Target"]
 
@@ -85,9 +93,8 @@ class Target:
         CPU tensors are copied by one memmove each, on this thread, when they are large
         (torch's intra-op threads fight the other workers for the same cores: a 64 MB
         copy went from 6 ms to 8 ms and worse with the other core busy) or when the
-        model has few tensors (a worker wakes with cold caches, and torch's dispatcher
-        touches far more code than memmove: 8 small copies cost a worker ~25 us of CPU
-        more per version that way on the bench). The rest goes through one
+        model has few tensors (`MEMMOVE_ALL_MAX`: 8 small copies through torch cost a
+        cold worker ~25 us of CPU more per version on the bench). The rest goes through one
         `_foreach_copy_`: the dispatch of thousands of small `copy_` calls cost more than
         their bytes. A memmove writes where the plan saw the tensor; every copy first
         checks those addresses (a storage resized under the model moves or frees them)
@@ -134,7 +141,6 @@ def _home(key: Key, mode: str, device: str | None, views: Mapping[Key, torch.dev
 _Binder = tuple[Callable[[torch.Tensor], None], torch.Tensor]
 _Pairs = tuple[list[torch.Tensor], list[torch.Tensor]]
 _MEMMOVE_MIN = 1 << 20  # bytes: a tensor this large is always copied by memmove
-_MEMMOVE_ALL_MAX = 64  # tensors: a model with at most this many copies them all so
 
 
 def _binders(model: Any, views: Mapping[Key, torch.Tensor]) -> list[_Binder]:
@@ -164,19 +170,19 @@ def _module_setter(module: torch.nn.Module, key: Key) -> Callable[[torch.Tensor]
 
 @dataclass(frozen=True)
 class _CopyPlan:
-    """One slot's copies, grouped once: memmoves, one foreach, the cross-device rest."""
+    """One slot's copies, grouped once: memmoves, one foreach, the rest one by one."""
 
-    moves: list[tuple[int, int, int]]  # (dst address, src address, bytes)
     moved: list[torch.Tensor]  # the memmove destinations
     addresses: list[int]  # where they were when planned
+    sources: list[tuple[int, int]]  # (address, bytes) each reads
     small: _Pairs  # same device: one foreach
     other: _Pairs  # across devices (the CUDA transport's fallback), conj/neg: one by one
 
     @classmethod
     def of(cls, dsts: Mapping[Key, torch.Tensor], views: Mapping[Key, torch.Tensor]) -> _CopyPlan:
-        every = len(dsts) <= _MEMMOVE_ALL_MAX
-        moves: list[tuple[int, int, int]] = []
+        every = len(dsts) <= MEMMOVE_ALL_MAX
         moved: list[torch.Tensor] = []
+        sources: list[tuple[int, int]] = []
         small: _Pairs = ([], [])
         other: _Pairs = ([], [])
         for key, dst in dsts.items():
@@ -184,24 +190,20 @@ class _CopyPlan:
             nbytes = dst.numel() * dst.element_size()
             if (
                 (every or nbytes >= _MEMMOVE_MIN)
-                and dst.device.type == "cpu"
-                and src.device.type == "cpu"
+                and bytes_are_values(dst)
+                and bytes_are_values(src)
                 and dst.dtype == src.dtype
-                and dst.is_contiguous()
-                and src.is_contiguous()
-                and not dst.is_conj()  # a conj/neg view's bytes are not its values
-                and not dst.is_neg()
                 and dst.data_ptr() != 0  # an empty (freed) storage: let torch say so
             ):
-                moves.append((dst.data_ptr(), src.data_ptr(), nbytes))
                 moved.append(dst)
+                sources.append((src.data_ptr(), nbytes))
             else:
                 # foreach takes neither a conj/neg destination nor one on another device
                 plain = not dst.is_conj() and not dst.is_neg()
                 pairs = small if dst.device == src.device and plain else other
                 pairs[0].append(dst)
                 pairs[1].append(src)
-        return cls(moves, moved, [dst for dst, _, _ in moves], small, other)
+        return cls(moved, [t.data_ptr() for t in moved], sources, small, other)
 
     def still_valid(self) -> bool:
         """Whether every memmove destination is still where the plan saw it.
@@ -213,8 +215,8 @@ class _CopyPlan:
         return [t.data_ptr() for t in self.moved] == self.addresses
 
     def run(self) -> None:
-        for dst, src, nbytes in self.moves:  # ctypes releases the GIL around the call
-            ctypes.memmove(dst, src, nbytes)
+        for dst, (src, nbytes) in zip(self.addresses, self.sources, strict=True):
+            ctypes.memmove(dst, src, nbytes)  # ctypes releases the GIL around the call
         small, other = self.small, self.other
         if not small[0] and not other[0]:
             return

@@ -25,7 +25,16 @@ from ._protocol import ALIGN, DTYPES, TensorSpec, contiguous_stride
 if TYPE_CHECKING:
     from tensordict import TensorDictBase
 
-__all__ = ["Key", "Layout", "ModuleReader", "flatten", "to_tensordict", "torch_dtype"]
+__all__ = [
+    "MEMMOVE_ALL_MAX",
+    "Key",
+    "Layout",
+    "ModuleReader",
+    "bytes_are_values",
+    "flatten",
+    "to_tensordict",
+    "torch_dtype",
+]
 
 Key = tuple[str, ...]
 PAGE = 4096
@@ -41,6 +50,20 @@ _DTYPE_NAMES = {dtype: name for name, dtype in _TORCH_DTYPES.items()}
 # The base class's getters: nn.Parameter's own go through __torch_function__ (8x slower).
 _SHAPE: Callable[[torch.Tensor], tuple[int, ...]] = torch._C.TensorBase.shape.__get__  # type: ignore[attr-defined]
 _DTYPE: Callable[[torch.Tensor], torch.dtype] = torch._C.TensorBase.dtype.__get__  # type: ignore[attr-defined]
+
+
+# A model of at most this many tensors is copied one memmove per tensor, on both sides:
+# each process comes back to a copy with cold caches (9 of them take turns on 2 cores in
+# the benchmark), and torch's dispatcher and grad-mode switch touch far more code than
+# memmove does.
+MEMMOVE_ALL_MAX = 64
+
+
+def bytes_are_values(tensor: torch.Tensor) -> bool:
+    """Whether `tensor`'s memory, read as bytes from its data pointer, is its value: a
+    contiguous CPU tensor without a lazy conj/neg bit. Only such a tensor may be copied
+    by memmove."""
+    return tensor.is_cpu and tensor.is_contiguous() and not tensor.is_conj() and not tensor.is_neg()
 
 
 def torch_dtype(name: str) -> torch.dtype:

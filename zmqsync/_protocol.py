@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar, Protocol, TypeAlias
 
@@ -218,11 +218,15 @@ def _counters(value: Any, where: str, name: str | int = "") -> dict[str, int]:
     return {_COUNTER_NAME(k, path): _COUNTER(v, path, k) for k, v in value.items()}
 
 
-def _record(cls: type[Any]) -> Check:
+def _record(
+    cls: type[Any], build: Callable[[type[Any], dict[Any, Any], str], Any] | None = None
+) -> Check:
+    """A map decoded as `cls` by `build` (default: this module's `_build` and FIELDS)."""
+
     def check(value: Any, where: str, name: str | int = "") -> Any:
         if type(value) is not dict:
             raise _fail(_at(where, name), f"expected a map, got {type(value).__name__}")
-        return _build(cls, value, _at(where, name))
+        return (build or _build)(cls, value, _at(where, name))
 
     check.__doc__ = f"map: {cls.__name__}"
     return check
@@ -658,7 +662,7 @@ def decode(data: bytes, *, bus: str | None = None) -> Message:
             msgpack, wrong `proto`, foreign `bus`, unknown `type`, field of the wrong
             type or out of range). Any other exception is a bug.
     """
-    if type(data) is not bytes and not isinstance(data, bytes | bytearray | memoryview):
+    if not isinstance(data, bytes | bytearray | memoryview):
         raise ProtocolError(f"expected bytes, got {type(data).__name__}")
     if len(data) > MAX_MESSAGE:
         raise ProtocolError(f"message of {len(data)} bytes exceeds {MAX_MESSAGE}")

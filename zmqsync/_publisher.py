@@ -45,7 +45,7 @@ from . import _config, _lifecycle
 from ._buffers import CpuSegment, CudaBuffer, SharedBuffer, collect_garbage, segment_name
 from ._deadline import Deadline
 from ._errors import ClosedError, ProtocolError, PublishTimeout, ZmqSyncError
-from ._layout import Key, Layout, ModuleReader, flatten
+from ._layout import MEMMOVE_ALL_MAX, Key, Layout, ModuleReader, bytes_are_values, flatten
 from ._protocol import (
     Ack,
     Bye,
@@ -489,7 +489,7 @@ class Publisher:
         mirror = [(key, self._slot_views[slot][key]) for key in gpu]
         moves = (
             [(v.data_ptr(), v.numel() * v.element_size()) for _, v in small]
-            if len(small) <= _MEMMOVE_ALL_MAX
+            if len(small) <= MEMMOVE_ALL_MAX
             else []
         )
         return _WritePlan(
@@ -672,7 +672,6 @@ class Publisher:
 
 
 _FOREACH_MAX = 1 << 20  # bytes: smaller CPU tensors are copied together by one foreach
-_MEMMOVE_ALL_MAX = 64  # tensors: a model of only this many small ones is written by memmove
 
 
 @dataclasses.dataclass(frozen=True)
@@ -689,16 +688,12 @@ def _memmove_from(sources: list[torch.Tensor], moves: list[tuple[int, int]]) -> 
     """Write a few small CPU tensors to their places in the slot by memmove; False (nothing
     written) when there is no such plan or a source is not a plain contiguous CPU tensor.
 
-    The publishing thread comes back to each publish with cold caches, after the
-    workers ran; torch's dispatcher and `torch.no_grad()` touch far more code than a
-    memmove does (the subscriber's copy plan does the same). Shapes and dtypes were
-    checked against the layout.
+    The publishing thread comes back to each publish with cold caches, after the workers
+    ran (see `MEMMOVE_ALL_MAX`; the subscriber's copy plan does the same). Shapes and
+    dtypes were checked against the layout.
     """
-    if not moves:
+    if not moves or not all(map(bytes_are_values, sources)):
         return False
-    for source in sources:  # a conj/neg view's bytes are not its values: torch copies it
-        if not source.is_cpu or not source.is_contiguous() or source.is_conj() or source.is_neg():
-            return False
     for source, (address, nbytes) in zip(sources, moves, strict=True):
         ctypes.memmove(address, source.data_ptr(), nbytes)
     return True

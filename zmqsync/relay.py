@@ -116,7 +116,6 @@ from ._protocol import (
     State,
     TensorSpec,
     WorkerState,
-    _at,
     _choice,
     _counters,
     _float,
@@ -352,15 +351,6 @@ _Message: TypeAlias = (
 )
 
 
-def _relay_record(cls: type[Any]) -> Check:
-    def check(value: Any, where: str, name: str | int = "") -> Any:
-        if type(value) is not dict:
-            raise ProtocolError(f"{_at(where, name)}: expected a map, got {type(value).__name__}")
-        return _build(cls, value, _at(where, name))
-
-    return check
-
-
 _WORKERS = _list(_record(WorkerState), MAX_RELAY_WORKERS)
 _FIELDS: dict[type[Any], dict[str, Check]] = {
     RelayInfo: {
@@ -435,7 +425,9 @@ _FIELDS: dict[type[Any], dict[str, Check]] = {
         "version": _VERSION,
         "generation": _int(-1),
         "ack": _choice("tree", "relays"),
-        "relays": _list(_relay_record(RelayInfo), MAX_RELAYS),
+        "relays": _list(  # relay records go through this module's _build (defined below)
+            _record(RelayInfo, lambda cls, raw, where: _build(cls, raw, where)), MAX_RELAYS
+        ),
         "counters": _counters,
     },
 }
