@@ -154,6 +154,34 @@ def test_copy_mode_follows_a_storage_that_was_freed_and_reallocated(name):
             del keep
 
 
+@pytest.mark.parametrize("replace", ["data", "parameter", "in place"])
+def test_publish_reads_a_source_that_moved_since_the_last_one(name, replace):
+    """The publisher copies a few small tensors as bytes and keeps a view of where each
+    source was: a source re-allocated (``.data =``, a new Parameter) must be read where
+    it is now, and one written in place read again."""
+    trainer, worker = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+    with (
+        zmqsync.Publisher(trainer, name=name, timeout=20) as pub,
+        zmqsync.Subscriber(name=name, model=worker, mode="copy") as sub,
+    ):
+        kept = []  # old sources stay allocated: their addresses are not handed out again
+        for step in range(1, 5):
+            old = trainer.weight.data_ptr()
+            kept.append(trainer.weight.data)
+            fresh = torch.full((16, 16), float(step))
+            if replace == "data":
+                trainer.weight.data = fresh
+            elif replace == "parameter":
+                trainer.weight = torch.nn.Parameter(fresh)
+            else:
+                with torch.no_grad():
+                    trainer.weight.copy_(fresh)
+            assert (trainer.weight.data_ptr() == old) == (replace == "in place")
+            pub.publish()
+            assert sub.wait_for_version(pub.version, timeout=20)
+            assert torch.equal(worker.weight, fresh), step
+
+
 def test_the_all_acked_check_agrees_with_missing_whatever_the_order(name):
     """The publishing thread's O(1)-per-ack check must say done exactly when
     `Registry.missing` is empty: acks in any order, a target that leaves, one that leaves

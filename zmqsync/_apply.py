@@ -19,9 +19,11 @@ import torch
 
 from ._errors import LayoutMismatch
 from ._layout import (
+    BYTE_COPY_MAX,
     MEMMOVE_ALL_MAX,
     Key,
     Layout,
+    byte_view,
     bytes_are_values,
     flatten,
     to_tensordict,
@@ -90,15 +92,16 @@ class Target:
     def copy_from(self, views: Mapping[Key, torch.Tensor]) -> None:
         """Copy one slot into the model's own tensors.
 
-        CPU tensors are copied by one memmove each, on this thread, when they are large
-        (torch's intra-op threads fight the other workers for the same cores: a 64 MB
-        copy went from 6 ms to 8 ms and worse with the other core busy) or when the
-        model has few tensors (`MEMMOVE_ALL_MAX`: 8 small copies through torch cost a
-        cold worker ~25 us of CPU more per version on the bench). The rest goes through one
-        `_foreach_copy_`: the dispatch of thousands of small `copy_` calls cost more than
-        their bytes. A memmove writes where the plan saw the tensor; every copy first
-        checks those addresses (a storage resized under the model moves or frees them)
-        and plans again if one changed.
+        CPU tensors are copied as bytes, on this thread, when they are large (torch's
+        intra-op threads fight the other workers for the same cores: a 64 MB copy went
+        from 6 ms to 8 ms and worse with the other core busy) or when the model has few
+        tensors (`MEMMOVE_ALL_MAX`: 8 small copies through torch cost a cold worker ~25 us
+        of CPU more per version on the bench): a memmove each, or a memoryview assignment
+        for a small one (`byte_view`). The rest goes through one `_foreach_copy_`: the
+        dispatch of thousands of small `copy_` calls cost more than their bytes. A byte
+        copy writes where the plan saw the tensor; every copy first checks those
+        addresses (a storage resized under the model moves or frees them) and plans
+        again if one changed.
         """
         plan = self._copy_plans.get(id(views))
         if plan is None or plan[0] is not views or not plan[1].still_valid():
@@ -170,11 +173,12 @@ def _module_setter(module: torch.nn.Module, key: Key) -> Callable[[torch.Tensor]
 
 @dataclass(frozen=True)
 class _CopyPlan:
-    """One slot's copies, grouped once: memmoves, one foreach, the rest one by one."""
+    """One slot's copies, grouped once: byte copies, one foreach, the rest one by one."""
 
-    moved: list[torch.Tensor]  # the memmove destinations
+    moved: list[torch.Tensor]  # the destinations copied as bytes
     addresses: list[int]  # where they were when planned
-    sources: list[tuple[int, int]]  # (address, bytes) each reads
+    byte_copies: list[tuple[memoryview, memoryview]]  # (dst, src) of the small ones
+    memmoves: list[tuple[int, int, int]]  # (dst, src, bytes) of the big ones
     small: _Pairs  # same device: one foreach
     other: _Pairs  # across devices (the CUDA transport's fallback), conj/neg: one by one
 
@@ -182,7 +186,8 @@ class _CopyPlan:
     def of(cls, dsts: Mapping[Key, torch.Tensor], views: Mapping[Key, torch.Tensor]) -> _CopyPlan:
         every = len(dsts) <= MEMMOVE_ALL_MAX
         moved: list[torch.Tensor] = []
-        sources: list[tuple[int, int]] = []
+        byte_copies: list[tuple[memoryview, memoryview]] = []
+        memmoves: list[tuple[int, int, int]] = []
         small: _Pairs = ([], [])
         other: _Pairs = ([], [])
         for key, dst in dsts.items():
@@ -196,14 +201,19 @@ class _CopyPlan:
                 and dst.data_ptr() != 0  # an empty (freed) storage: let torch say so
             ):
                 moved.append(dst)
-                sources.append((src.data_ptr(), nbytes))
+                if nbytes > BYTE_COPY_MAX:
+                    memmoves.append((dst.data_ptr(), src.data_ptr(), nbytes))
+                elif nbytes:
+                    pair = (byte_view(dst.data_ptr(), nbytes), byte_view(src.data_ptr(), nbytes))
+                    byte_copies.append(pair)
             else:
                 # foreach takes neither a conj/neg destination nor one on another device
                 plain = not dst.is_conj() and not dst.is_neg()
                 pairs = small if dst.device == src.device and plain else other
                 pairs[0].append(dst)
                 pairs[1].append(src)
-        return cls(moved, [t.data_ptr() for t in moved], sources, small, other)
+        addresses = [t.data_ptr() for t in moved]
+        return cls(moved, addresses, byte_copies, memmoves, small, other)
 
     def still_valid(self) -> bool:
         """Whether every memmove destination is still where the plan saw it.
@@ -215,7 +225,9 @@ class _CopyPlan:
         return [t.data_ptr() for t in self.moved] == self.addresses
 
     def run(self) -> None:
-        for dst, (src, nbytes) in zip(self.addresses, self.sources, strict=True):
+        for dst_bytes, src_bytes in self.byte_copies:
+            dst_bytes[:] = src_bytes
+        for dst, src, nbytes in self.memmoves:
             ctypes.memmove(dst, src, nbytes)  # ctypes releases the GIL around the call
         small, other = self.small, self.other
         if not small[0] and not other[0]:

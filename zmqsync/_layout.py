@@ -9,6 +9,7 @@ so a worker computes exactly what the trainer would.
 
 from __future__ import annotations
 
+import ctypes
 import math
 import threading
 import time
@@ -30,6 +31,8 @@ __all__ = [
     "Key",
     "Layout",
     "ModuleReader",
+    "BYTE_COPY_MAX",
+    "byte_view",
     "bytes_are_values",
     "flatten",
     "to_tensordict",
@@ -57,6 +60,22 @@ _DTYPE: Callable[[torch.Tensor], torch.dtype] = torch._C.TensorBase.dtype.__get_
 # the benchmark), and torch's dispatcher and grad-mode switch touch far more code than
 # memmove does.
 MEMMOVE_ALL_MAX = 64
+
+# Copies up to this many bytes go by memoryview assignment (`byte_view`), larger ones by
+# ctypes.memmove, which releases the GIL for the copy.
+BYTE_COPY_MAX = 1 << 16
+
+
+def byte_view(address: int, nbytes: int) -> memoryview:
+    """The `nbytes` at `address` as a writable byte memoryview.
+
+    ``dst[:] = src`` between two of them is a memcpy without ctypes' foreign-call
+    machinery: half the CPU of `ctypes.memmove` for 8 small tensors on a cold thread
+    (3.3 against 6.7 us). It holds the GIL, so only small copies (`BYTE_COPY_MAX`) go
+    this way. The view does not own the memory: whoever keeps it must know that
+    `address` still holds `nbytes`.
+    """
+    return memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
 
 
 def bytes_are_values(tensor: torch.Tensor) -> bool:

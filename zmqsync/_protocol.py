@@ -50,6 +50,7 @@ __all__ = [
     "WorkerState",
     "decode",
     "encode",
+    "template",
     "to_plain",
 ]
 
@@ -125,6 +126,11 @@ def _show(value: Any, limit: int) -> str:
     return type(value).__name__
 
 
+# What the fast decode of the hot messages needs to know about a field's check.
+_INT_RANGES: dict[Check, tuple[int, int]] = {}
+_TEXT_PASSED: dict[Check, set[str]] = {}
+
+
 def _int(lo: int = 0, hi: int = MAX_U63) -> Check:
     def check(value: Any, where: str, name: str | int = "") -> int:
         if type(value) is not int:
@@ -134,6 +140,7 @@ def _int(lo: int = 0, hi: int = MAX_U63) -> Check:
         return value
 
     check.__doc__ = f"int in [{lo}, {hi}]"
+    _INT_RANGES[check] = (lo, hi)
     return check
 
 
@@ -172,6 +179,7 @@ def _text(max_len: int, pattern: re.Pattern[str] | None = None, empty: bool = Tr
         passed.add(value)
         return value
 
+    _TEXT_PASSED[check] = passed
     rule = f", matching {pattern.pattern}" if pattern is not None else ""
     check.__doc__ = f"str, at most {max_len} chars{rule}" + ("" if empty else ", not empty")
     return check
@@ -252,6 +260,41 @@ def _build(cls: type[Any], raw: dict[Any, Any], where: str, skip: tuple[str, ...
 
 
 _PLANS: dict[type[Any], tuple[tuple[str, Check], ...]] = {}
+
+# (name, strings that passed its check, or None for an int field, the int's range)
+_FastPlan = tuple[tuple[str, set[str] | None, int, int], ...]
+
+
+def _fast_plan(cls: type[Any]) -> _FastPlan:
+    plan = []
+    for name, check in _plan(cls):
+        passed = _TEXT_PASSED.get(check)
+        lo, hi = _INT_RANGES.get(check, (0, -1))
+        assert passed is not None or lo <= hi, f"{cls.__name__}.{name}: no fast check"
+        plan.append((name, passed, lo, hi))
+    return tuple(plan)
+
+
+def _build_fast(cls: type[Any], raw: dict[Any, Any], plan: _FastPlan) -> Any:
+    """`cls` from `raw` if every field is one `_build` would accept without a second look
+    (an int in range, a string its check passed before), else None: then `_build` decides.
+
+    RECEIVE and ACK are decoded once per version by every worker and once per worker by
+    the publisher, on threads that come to them with cold caches; the generic walk (a
+    closure call per field) cost ~2 us more per message there.
+    """
+    if len(raw) != len(plan) + 2:  # + proto and type
+        return None
+    values = []
+    for name, passed, lo, hi in plan:
+        value = raw.get(name)
+        if passed is not None:
+            if type(value) is not str or value not in passed:
+                return None
+        elif type(value) is not int or not lo <= value <= hi:
+            return None
+        values.append(value)
+    return cls(*values)
 
 
 def _plan(cls: type[Any]) -> tuple[tuple[str, Check], ...]:
@@ -632,6 +675,7 @@ def to_plain(obj: Any) -> Any:
     return obj
 
 
+_FAST = {cls: _fast_plan(cls) for cls in (Receive, Ack)}  # one per version and worker
 _FLAT = (Receive, Stop, Heartbeat, Ack, Bye, Inspect, Error)  # no nested records
 _NAMES: dict[type[Any], tuple[str, ...]] = {}
 
@@ -647,6 +691,44 @@ def encode(msg: Message) -> bytes:
     body["proto"] = PROTO
     body["type"] = msg.TYPE
     return msgpack.packb(body, use_bin_type=True)  # type: ignore[no-any-return]
+
+
+def template(cls: type[Message], **fixed: Any) -> Callable[..., bytes]:
+    """`encode` for `cls` messages that share the `fixed` fields; the others are given
+    positionally, in field order, and only they are packed per message.
+
+    A worker's ACKs differ only in the version, the publisher's RECEIVEs only in seq,
+    version and slot; packing the rest again cost a cold thread ~4 us per message. The
+    bytes are `encode`'s for the same message.
+    """
+    if cls not in _FLAT:
+        raise TypeError(f"{cls.__name__} has nested records: use encode()")
+    names = [f.name for f in fields(cls)]
+    if unknown := set(fixed) - set(names):
+        raise ValueError(f"{cls.__name__} has no field(s) {sorted(unknown)}")
+    pieces: list[bytes] = []
+    literal = msgpack.Packer().pack_map_header(len(names) + 2)
+    for name in names:
+        literal += msgpack.packb(name)
+        if name in fixed:
+            literal += msgpack.packb(fixed[name], use_bin_type=True)
+        else:
+            pieces.append(literal)
+            literal = b""
+    pieces.append(literal + msgpack.packb({"proto": PROTO, "type": cls.TYPE})[1:])
+    head, *tails = pieces
+    packb = msgpack.packb
+    if len(tails) == 1:
+        tail = tails[0]
+        return lambda value: head + packb(value, use_bin_type=True) + tail
+
+    def frame(*values: Any) -> bytes:
+        out = [head]
+        for value, tail in zip(values, tails, strict=True):
+            out += (packb(value, use_bin_type=True), tail)
+        return b"".join(out)
+
+    return frame
 
 
 def decode(data: bytes, *, bus: str | None = None) -> Message:
@@ -679,7 +761,10 @@ def decode(data: bytes, *, bus: str | None = None) -> Message:
     cls = MESSAGE_TYPES.get(kind) if type(kind) is str else None
     if cls is None:
         raise ProtocolError(f"unknown message type {_show(kind, 40)!r}")
-    msg: Message = _build(cls, raw, str(kind), skip=("proto", "type"))
+    fast = _FAST.get(cls)
+    msg: Message = (fast is not None and _build_fast(cls, raw, fast)) or _build(
+        cls, raw, str(kind), skip=("proto", "type")
+    )
     if (
         bus is not None
         and msg.bus != bus

@@ -45,7 +45,16 @@ from . import _config, _lifecycle
 from ._buffers import CpuSegment, CudaBuffer, SharedBuffer, collect_garbage, segment_name
 from ._deadline import Deadline
 from ._errors import ClosedError, ProtocolError, PublishTimeout, ZmqSyncError
-from ._layout import MEMMOVE_ALL_MAX, Key, Layout, ModuleReader, bytes_are_values, flatten
+from ._layout import (
+    BYTE_COPY_MAX,
+    MEMMOVE_ALL_MAX,
+    Key,
+    Layout,
+    ModuleReader,
+    byte_view,
+    bytes_are_values,
+    flatten,
+)
 from ._protocol import (
     Ack,
     Bye,
@@ -62,6 +71,7 @@ from ._protocol import (
     WorkerState,
     decode,
     encode,
+    template,
 )
 from ._registry import Registry, WorkerInfo
 from ._security import Authenticator, CurveServer, require_security
@@ -253,6 +263,7 @@ class Publisher:
         self._max_workers = max_workers
         self._handshake_rate = handshake_rate
         self.bus = secrets.token_hex(8)
+        self._receive = template(Receive, bus=self.bus)  # (seq, version, slot) -> frame
         self.address = ""
         self._registry = Registry(slots)
         self._lock = threading.RLock()
@@ -487,11 +498,7 @@ class Publisher:
                     (key, view)
                 )
         mirror = [(key, self._slot_views[slot][key]) for key in gpu]
-        moves = (
-            [(v.data_ptr(), v.numel() * v.element_size()) for _, v in small]
-            if len(small) <= MEMMOVE_ALL_MAX
-            else []
-        )
+        moves = [_ByteMove.to(v) for _, v in small] if len(small) <= MEMMOVE_ALL_MAX else []
         return _WritePlan(
             list(gpu.items()), [k for k, _ in small], [v for _, v in small], moves, big, mirror
         )
@@ -505,8 +512,8 @@ class Publisher:
         plan = self._write_plans[slot]
         header.begin_write(slot)
         sources = [flat[key] for key in plan.small_keys]
-        # A few small CPU tensors go by memmove: no dispatcher, no grad mode.
-        if plan.gpu or plan.big or mirror or not _memmove_from(sources, plan.small_moves):
+        # A few small CPU tensors are copied as bytes: no dispatcher, no grad mode.
+        if plan.gpu or plan.big or mirror or not _write_bytes(sources, plan.small_moves):
             with torch.no_grad():
                 for key, view in plan.gpu:  # device to device, queued on the current stream
                     view.copy_(flat[key])
@@ -642,7 +649,7 @@ class Publisher:
             if agent.closed:
                 raise ClosedError(f"Publisher {self.name!r} was closed while publishing")
             agent.seq += 1
-            agent.send_event(Receive(self.bus, agent.seq, version, slot))
+            agent.send_frame(self._receive(agent.seq, version, slot))
         finally:
             self._io.release()
 
@@ -679,13 +686,40 @@ class _WritePlan:
     gpu: list[tuple[Key, torch.Tensor]]  # tensors kept in a CUDA buffer
     small_keys: list[Key]  # CPU tensors copied together
     small_views: list[torch.Tensor]
-    small_moves: list[tuple[int, int]]  # (address, bytes) of those views; [] if too many
+    small_moves: list[_ByteMove]  # the same, copied as bytes; [] if too many
     big: list[tuple[Key, torch.Tensor]]  # CPU tensors copied one by one (torch's threads)
     mirror: list[tuple[Key, torch.Tensor]]  # CPU copies of the CUDA tensors
 
 
-def _memmove_from(sources: list[torch.Tensor], moves: list[tuple[int, int]]) -> bool:
-    """Write a few small CPU tensors to their places in the slot by memmove; False (nothing
+@dataclasses.dataclass
+class _ByteMove:
+    """Where one small tensor goes in a slot, and a byte view of the last source read."""
+
+    address: int
+    nbytes: int
+    dst: memoryview | None  # the slot's bytes; None: copied by memmove
+    src_address: int = 0
+    src: memoryview | None = None
+
+    @classmethod
+    def to(cls, view: torch.Tensor) -> _ByteMove:
+        nbytes = view.numel() * view.element_size()
+        small = 0 < nbytes <= BYTE_COPY_MAX
+        return cls(view.data_ptr(), nbytes, byte_view(view.data_ptr(), nbytes) if small else None)
+
+    def copy(self, source: torch.Tensor) -> None:
+        address = source.data_ptr()
+        if self.dst is None:
+            ctypes.memmove(self.address, address, self.nbytes)
+            return
+        if self.src is None or address != self.src_address:
+            # the source's shape and dtype were checked: `nbytes` is what it holds
+            self.src_address, self.src = address, byte_view(address, self.nbytes)
+        self.dst[:] = self.src
+
+
+def _write_bytes(sources: list[torch.Tensor], moves: list[_ByteMove]) -> bool:
+    """Write a few small CPU tensors to their places in the slot as bytes; False (nothing
     written) when there is no such plan or a source is not a plain contiguous CPU tensor.
 
     The publishing thread comes back to each publish with cold caches, after the workers
@@ -694,8 +728,8 @@ def _memmove_from(sources: list[torch.Tensor], moves: list[tuple[int, int]]) -> 
     """
     if not moves or not all(map(bytes_are_values, sources)):
         return False
-    for source, (address, nbytes) in zip(sources, moves, strict=True):
-        ctypes.memmove(address, source.data_ptr(), nbytes)
+    for source, move in zip(sources, moves, strict=True):
+        move.copy(source)
     return True
 
 
@@ -921,7 +955,10 @@ class _Agent:
 
     def send_event(self, msg: Message, peer: str = "") -> None:
         """Send on the events socket (caller holds `_io`)."""
-        frame = encode(msg)
+        self.send_frame(encode(msg), peer)
+
+    def send_frame(self, frame: bytes, peer: str = "") -> None:
+        """Send an encoded event (caller holds `_io`)."""
         self.events.send(frame)
         self._mirror("out", peer, frame)
 

@@ -51,7 +51,19 @@ from ._buffers import cuda as _cuda
 from ._deadline import Deadline
 from ._errors import BufferUnavailable, ClosedError, ConnectTimeout, ProtocolError, ZmqSyncError
 from ._layout import Key, Layout, flatten
-from ._protocol import Ack, Bye, Error, Heartbeat, Hello, Receive, Stop, Welcome, decode, encode
+from ._protocol import (
+    Ack,
+    Bye,
+    Error,
+    Heartbeat,
+    Hello,
+    Receive,
+    Stop,
+    Welcome,
+    decode,
+    encode,
+    template,
+)
 from ._publisher import DEFAULT, XPUB_WELCOME
 from ._security import CurveClient, client_from_env
 from ._sockets import NOBLOCK, connect, request, resolve_endpoint
@@ -546,6 +558,7 @@ class _Agent:
         # `acks` is used by the agent and, in manual mode, by the user's thread (ACK after
         # poll()); both send under this lock.
         self._send_lock = threading.Lock()
+        self._acks: tuple[tuple[str, str, str], Callable[[int], bytes]] | None = None
         # The agent blocks in recv() on its SUB socket, which is also connected to this
         # inproc PUB: close() wakes it with one frame (see `_loop`).
         self._wake = self.ctx.socket(zmq.PUB)
@@ -795,16 +808,24 @@ class _Agent:
             sub._cond.notify_all()
 
     def _ack(self, version: int) -> None:
-        self._send(Ack(self.sub._bus, self.sub.worker_id, self.session, version))
+        """ACK from a template: bus, worker id and session change only on a re-join."""
+        sub = self.sub
+        key = (sub._bus, sub.worker_id, self.session)
+        acks = self._acks
+        if acks is None or acks[0] != key:  # a race only builds it twice
+            acks = self._acks = (key, template(Ack, bus=key[0], worker_id=key[1], session=key[2]))
+        self._send_frame(acks[1](version), Ack.TYPE)
 
-    def _send(self, msg: Ack | Bye | Heartbeat, linger_ms: int = 0) -> None:
-        frame = encode(msg)
+    def _send(self, msg: Bye | Heartbeat, linger_ms: int = 0) -> None:
+        self._send_frame(encode(msg), msg.TYPE, linger_ms)
+
+    def _send_frame(self, frame: bytes, kind: str, linger_ms: int = 0) -> None:
         with self._send_lock:
             if self.acks is None or self.acks.closed or not self.session:
                 return
             try:
                 self.acks.send(frame, NOBLOCK)
             except zmq.Again:
-                log.debug("acks queue full: %s dropped", msg.TYPE)
+                log.debug("acks queue full: %s dropped", kind)
             if linger_ms:
                 self.acks.linger = linger_ms
