@@ -677,6 +677,7 @@ def to_plain(obj: Any) -> Any:
 
 _FAST = {cls: _fast_plan(cls) for cls in (Receive, Ack)}  # one per version and worker
 _FLAT = (Receive, Stop, Heartbeat, Ack, Bye, Inspect, Error)  # no nested records
+_BYTES = (bytes, bytearray, memoryview)  # a tuple: ``bytes | ...`` builds a union per call
 _NAMES: dict[type[Any], tuple[str, ...]] = {}
 
 
@@ -744,7 +745,7 @@ def decode(data: bytes, *, bus: str | None = None) -> Message:
             msgpack, wrong `proto`, foreign `bus`, unknown `type`, field of the wrong
             type or out of range). Any other exception is a bug.
     """
-    if not isinstance(data, bytes | bytearray | memoryview):
+    if not isinstance(data, _BYTES):
         raise ProtocolError(f"expected bytes, got {type(data).__name__}")
     if len(data) > MAX_MESSAGE:
         raise ProtocolError(f"message of {len(data)} bytes exceeds {MAX_MESSAGE}")

@@ -21,7 +21,6 @@ from ._protocol import Message, decode, encode
 
 __all__ = [
     "NOBLOCK",
-    "RCVMORE",
     "Secure",
     "bind",
     "connect",
@@ -40,7 +39,7 @@ Secure = Callable[[zmq.Socket[bytes]], None] | None  # applies CURVE options, or
 # Plain ints for the hot paths: zmq.POLLIN and friends are IntFlag members, and `&` or a
 # flag argument built from one is a Python-level call per message.
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
-NOBLOCK, RCVMORE = int(zmq.NOBLOCK), int(zmq.RCVMORE)
+NOBLOCK = int(zmq.NOBLOCK)
 
 
 def post(sock: zmq.Socket[bytes], *frames: bytes) -> bool:

@@ -84,6 +84,7 @@ log = logging.getLogger(__name__)
 _APPLY_ATTEMPTS = 100
 _WAKE = b"\x01"  # from the subscriber's own inproc PUB: look at the flags (never a message)
 _WAIT_CAP_S = 0.1
+_EVENTS = (Receive, Stop)  # numbered events (a tuple: ``A | B`` builds a union per call)
 
 
 class _Link(enum.Enum):
@@ -752,7 +753,7 @@ class _Agent:
                 self._lose("a new publisher answers at the address")
             return
         self.last_heard = time.monotonic()
-        if isinstance(msg, Receive | Stop):
+        if isinstance(msg, _EVENTS):
             if msg.seq <= self.last_seq:
                 return  # already covered by the WELCOME
             if msg.seq > self.last_seq + 1:
