@@ -102,19 +102,25 @@ def test_publish_of_a_removed_tensor_is_a_layout_mismatch(name):
 
 
 class Wide(torch.nn.Module):
-    """A tensor large enough for the memmove path, a non-contiguous one, small ones."""
+    """A tensor large enough for the memmove path, a mid-sized one (memmove, not a byte
+    view), a non-contiguous one, small ones; with `many`, more tensors than the
+    publisher copies as bytes (`MEMMOVE_ALL_MAX`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, many: bool = False) -> None:
         super().__init__()
         self.big = torch.nn.Parameter(torch.zeros(600, 512))  # 1.2 MB
+        self.mid = torch.nn.Parameter(torch.zeros(200, 128))  # 100 KB
         self.bent = torch.nn.Parameter(torch.zeros(8, 6).t())  # not contiguous
         self.small = torch.nn.Linear(5, 5)
         self.register_buffer("steps", torch.zeros((), dtype=torch.int64))
+        if many:
+            self.many = torch.nn.ParameterList(torch.zeros(3) for _ in range(70))
 
 
+@pytest.mark.parametrize("many", [False, True], ids=["few", "many"])
 @pytest.mark.parametrize("mode", ["copy", "alias"])
-def test_every_copy_path_delivers_exact_values(name, mode):
-    trainer, worker = Wide(), Wide()
+def test_every_copy_path_delivers_exact_values(name, mode, many):
+    trainer, worker = Wide(many), Wide(many)
     assert not worker.bent.is_contiguous()
     with (
         zmqsync.Publisher(trainer, name=name, timeout=20) as pub,
@@ -160,6 +166,8 @@ def test_publish_reads_a_source_that_moved_since_the_last_one(name, replace):
     source was: a source re-allocated (``.data =``, a new Parameter) must be read where
     it is now, and one written in place read again."""
     trainer, worker = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+    trainer.register_buffer("mid", torch.full((200, 128), 3.0))  # 100 KB: by memmove
+    worker.register_buffer("mid", torch.zeros(200, 128))
     with (
         zmqsync.Publisher(trainer, name=name, timeout=20) as pub,
         zmqsync.Subscriber(name=name, model=worker, mode="copy") as sub,
@@ -180,6 +188,7 @@ def test_publish_reads_a_source_that_moved_since_the_last_one(name, replace):
             pub.publish()
             assert sub.wait_for_version(pub.version, timeout=20)
             assert torch.equal(worker.weight, fresh), step
+            assert torch.equal(worker.mid, trainer.mid), step
 
 
 def test_the_all_acked_check_agrees_with_missing_whatever_the_order(name):

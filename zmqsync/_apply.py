@@ -20,7 +20,6 @@ import torch
 from ._errors import LayoutMismatch
 from ._layout import (
     BYTE_COPY_MAX,
-    MEMMOVE_ALL_MAX,
     Key,
     Layout,
     byte_view,
@@ -92,16 +91,15 @@ class Target:
     def copy_from(self, views: Mapping[Key, torch.Tensor]) -> None:
         """Copy one slot into the model's own tensors.
 
-        CPU tensors are copied as bytes, on this thread, when they are large (torch's
-        intra-op threads fight the other workers for the same cores: a 64 MB copy went
-        from 6 ms to 8 ms and worse with the other core busy) or when the model has few
-        tensors (`MEMMOVE_ALL_MAX`: 8 small copies through torch cost a cold worker ~25 us
-        of CPU more per version on the bench): a memmove each, or a memoryview assignment
-        for a small one (`byte_view`). The rest goes through one `_foreach_copy_`: the
-        dispatch of thousands of small `copy_` calls cost more than their bytes. A byte
-        copy writes where the plan saw the tensor; every copy first checks those
-        addresses (a storage resized under the model moves or frees them) and plans
-        again if one changed.
+        Plain CPU tensors (`bytes_are_values`) are copied as bytes, on this thread: a
+        memmove each when large (torch's intra-op threads fight the other workers for
+        the same cores: a 64 MB copy went from 6 ms to 8 ms and worse with the other core
+        busy), a memoryview assignment when small (`byte_view`: 8 small copies through
+        torch cost a cold worker ~25 us of CPU more per version on the bench, and 2,000
+        of them in one `_foreach_copy_` take twice as long). The rest (other devices,
+        conj/neg views, dtype casts) goes through torch. A byte copy writes where the
+        plan saw the tensor; every copy first checks those addresses (a storage resized
+        under the model moves or frees them) and plans again if one changed.
         """
         plan = self._copy_plans.get(id(views))
         if plan is None or plan[0] is not views or not plan[1].still_valid():
@@ -143,7 +141,6 @@ def _home(key: Key, mode: str, device: str | None, views: Mapping[Key, torch.dev
 
 _Binder = tuple[Callable[[torch.Tensor], None], torch.Tensor]
 _Pairs = tuple[list[torch.Tensor], list[torch.Tensor]]
-_MEMMOVE_MIN = 1 << 20  # bytes: a tensor this large is always copied by memmove
 
 
 def _binders(model: Any, views: Mapping[Key, torch.Tensor]) -> list[_Binder]:
@@ -184,7 +181,6 @@ class _CopyPlan:
 
     @classmethod
     def of(cls, dsts: Mapping[Key, torch.Tensor], views: Mapping[Key, torch.Tensor]) -> _CopyPlan:
-        every = len(dsts) <= MEMMOVE_ALL_MAX
         moved: list[torch.Tensor] = []
         byte_copies: list[tuple[memoryview, memoryview]] = []
         memmoves: list[tuple[int, int, int]] = []
@@ -194,8 +190,7 @@ class _CopyPlan:
             src = views[key]
             nbytes = dst.numel() * dst.element_size()
             if (
-                (every or nbytes >= _MEMMOVE_MIN)
-                and bytes_are_values(dst)
+                bytes_are_values(dst)
                 and bytes_are_values(src)
                 and dst.dtype == src.dtype
                 and dst.data_ptr() != 0  # an empty (freed) storage: let torch say so

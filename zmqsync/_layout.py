@@ -55,10 +55,11 @@ _SHAPE: Callable[[torch.Tensor], tuple[int, ...]] = torch._C.TensorBase.shape.__
 _DTYPE: Callable[[torch.Tensor], torch.dtype] = torch._C.TensorBase.dtype.__get__  # type: ignore[attr-defined]
 
 
-# A model of at most this many tensors is copied one memmove per tensor, on both sides:
-# each process comes back to a copy with cold caches (9 of them take turns on 2 cores in
-# the benchmark), and torch's dispatcher and grad-mode switch touch far more code than
-# memmove does.
+# The publisher writes a model of at most this many small tensors as bytes, one copy per
+# tensor: it comes back to each publish with cold caches (9 processes take turns on 2
+# cores in the benchmark), and torch's dispatcher and grad-mode switch touch far more
+# code than a byte copy does. More tensors go through one `_foreach_copy_`: checking
+# each source for a byte copy (`bytes_are_values`) would cost about as much.
 MEMMOVE_ALL_MAX = 64
 
 # Copies up to this many bytes go by memoryview assignment (`byte_view`), larger ones by
