@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import zmqsync
-from zmqsync._layout import ModuleReader, ParallelCopier, flatten
+from zmqsync._layout import ModuleReader, flatten
 
 
 class Tricky(torch.nn.Module):
@@ -189,44 +189,6 @@ def test_publish_reads_a_source_that_moved_since_the_last_one(name, replace):
             assert sub.wait_for_version(pub.version, timeout=20)
             assert torch.equal(worker.weight, fresh), step
             assert torch.equal(worker.mid, trainer.mid), step
-
-
-def test_the_parallel_copy_copies_every_byte_or_leaves_it_to_torch(monkeypatch):
-    """Chunks split at page boundaries, a size no thread count divides, each byte once."""
-    nbytes = ParallelCopier.MIN_BYTES + 12_345
-    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
-    dst = torch.zeros(nbytes, dtype=torch.uint8)
-    copier = ParallelCopier()
-    try:
-        for threads in (2, 3):
-            monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
-            dst.zero_()
-            assert copier.copy(dst, src)
-            assert torch.equal(dst, src), threads
-        assert not copier.copy(dst[:1024], src[:1024]), "small: torch's copy_"
-        bent = src[: nbytes - nbytes % 4096].view(4096, -1).t()
-        assert not copier.copy(torch.empty_like(bent), bent), "not contiguous: torch's copy_"
-        monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
-        assert not copier.copy(dst, src), "one thread: torch's copy_"
-    finally:
-        copier.close()
-    copier.close()  # twice is fine
-
-
-@pytest.mark.parametrize("mode", ["copy", "alias"])
-def test_a_big_tensor_arrives_whole(name, mode):
-    trainer = torch.nn.Linear(2048, 2560)  # 20 MB weight: copied by several threads
-    worker = torch.nn.Linear(2048, 2560)
-    with (
-        zmqsync.Publisher(trainer, name=name, timeout=30) as pub,
-        zmqsync.Subscriber(name=name, model=worker, mode=mode) as sub,
-    ):
-        for step in range(3):  # both slots
-            with torch.no_grad():
-                trainer.weight.normal_().add_(step)
-            pub.publish()
-            assert sub.wait_for_version(pub.version, timeout=30)
-            assert torch.equal(worker.weight, trainer.weight), step
 
 
 def test_the_all_acked_check_agrees_with_missing_whatever_the_order(name):

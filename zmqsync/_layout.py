@@ -14,7 +14,6 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
@@ -33,7 +32,6 @@ __all__ = [
     "Layout",
     "ModuleReader",
     "BYTE_COPY_MAX",
-    "ParallelCopier",
     "byte_view",
     "bytes_are_values",
     "flatten",
@@ -86,56 +84,6 @@ def bytes_are_values(tensor: torch.Tensor) -> bool:
     contiguous CPU tensor without a lazy conj/neg bit. Only such a tensor may be copied
     by memmove."""
     return tensor.is_cpu and tensor.is_contiguous() and not tensor.is_conj() and not tensor.is_neg()
-
-
-class ParallelCopier:
-    """Copies of big CPU tensors split across threads, each chunk one memmove.
-
-    glibc's memmove writes a large copy with non-temporal stores, and ctypes drops the
-    GIL around it: 2 threads of it copied 512 MB into /dev/shm in 27-30 ms, torch's
-    ``copy_`` with its 2 intra-op threads in 36 ms (one memmove: 45 ms). For a big model
-    that copy is the whole of an alias-mode publish. As many threads as torch uses.
-    """
-
-    MIN_BYTES = 16 << 20  # below this, torch's copy_ (a thread hand-off costs ~50 us)
-
-    def __init__(self) -> None:
-        self._pool: ThreadPoolExecutor | None = None
-        self._threads = 0
-
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> bool:
-        """Copy `src` into `dst` (same shape and dtype); False, with nothing copied, when
-        torch should do it (small, one thread, or not plain contiguous CPU tensors)."""
-        nbytes = dst.numel() * dst.element_size()
-        threads = torch.get_num_threads()
-        if (
-            nbytes < self.MIN_BYTES
-            or threads < 2
-            or not (bytes_are_values(dst) and bytes_are_values(src))
-        ):
-            return False
-        if self._pool is None or self._threads != threads:
-            self.close()
-            self._pool = ThreadPoolExecutor(threads - 1, thread_name_prefix="zmqsync-copy")
-            self._threads = threads
-        step = _round_up(-(-nbytes // threads), PAGE)
-        to, start = dst.data_ptr(), src.data_ptr()
-        chunks = [(to + at, start + at, min(step, nbytes - at)) for at in range(0, nbytes, step)]
-        try:
-            others = [self._pool.submit(ctypes.memmove, *chunk) for chunk in chunks[1:]]
-        except RuntimeError:  # shut down meanwhile (close() on another thread): copy here
-            others = []
-            for chunk in chunks[1:]:
-                ctypes.memmove(*chunk)
-        ctypes.memmove(*chunks[0])
-        for done in others:
-            done.result()  # a memmove of at most nbytes / threads: it ends
-        return True
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
 
 
 def torch_dtype(name: str) -> torch.dtype:

@@ -51,7 +51,6 @@ from ._layout import (
     Key,
     Layout,
     ModuleReader,
-    ParallelCopier,
     byte_view,
     bytes_are_values,
     flatten,
@@ -284,7 +283,6 @@ class Publisher:
         self._mirrored: list[bool] = []  # per slot: the CPU segment holds its CUDA tensors
         self._streams: list[torch.device] = []  # devices to synchronize after a write
         self._write_lock = threading.Lock()
-        self._copier = ParallelCopier()  # big CPU tensors, under _write_lock
         self._notes: dict[str, tuple[str, str]] = {}  # worker id -> (session, transport note)
         self._resources = contextlib.ExitStack()
         self._pid = os.getpid()
@@ -323,7 +321,6 @@ class Publisher:
             self._slot_views = [self._layout.views(segment.slot(i)) for i in range(self._slots)]
             self._start_cuda(stack)
             self._write_plans = [self._write_plan(slot) for slot in range(self._slots)]
-            stack.callback(self._copier.close)
             self._write(0, 0, flatten(self._source), mirror=False)
             self._registry.record(0, 0)
             self._agent = _Agent(self)
@@ -526,9 +523,8 @@ class Publisher:
                     except RuntimeError:  # e.g. a tensor moved to another device since start
                         for view, source in zip(plan.small_views, sources, strict=True):
                             view.copy_(source)
-                for key, view in plan.big:  # several threads: the trainer's cores are free
-                    if not self._copier.copy(view, flat[key]):
-                        view.copy_(flat[key])
+                for key, view in plan.big:  # torch's threads: the trainer's cores are free
+                    view.copy_(flat[key])
                 if mirror:
                     for key, view in plan.mirror:
                         view.copy_(flat[key])
