@@ -1167,8 +1167,11 @@ class _Agent:
         """
         frame, more = part.bytes, part.more
         tail = more
-        while tail:  # multipart is not ours: read it all, drop
-            tail = self.acks.recv(copy=False).more
+        while tail:  # multipart is not ours: read it all, drop (its parts come together)
+            try:
+                tail = self.acks.recv(copy=False).more
+            except zmq.Again:
+                break
         try:
             if more:
                 raise ProtocolError("expected one frame, got several")
