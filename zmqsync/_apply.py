@@ -19,9 +19,9 @@ import torch
 
 from ._errors import LayoutMismatch
 from ._layout import (
-    BYTE_COPY_MAX,
     Key,
     Layout,
+    by_view,
     byte_view,
     bytes_are_values,
     flatten,
@@ -196,11 +196,11 @@ class _CopyPlan:
                 and dst.data_ptr() != 0  # an empty (freed) storage: let torch say so
             ):
                 moved.append(dst)
-                if nbytes > BYTE_COPY_MAX:
-                    memmoves.append((dst.data_ptr(), src.data_ptr(), nbytes))
-                elif nbytes:
+                if by_view(nbytes):
                     pair = (byte_view(dst.data_ptr(), nbytes), byte_view(src.data_ptr(), nbytes))
                     byte_copies.append(pair)
+                elif nbytes:
+                    memmoves.append((dst.data_ptr(), src.data_ptr(), nbytes))
             else:
                 # foreach takes neither a conj/neg destination nor one on another device
                 plain = not dst.is_conj() and not dst.is_neg()
@@ -211,7 +211,7 @@ class _CopyPlan:
         return cls(moved, addresses, byte_copies, memmoves, small, other)
 
     def still_valid(self) -> bool:
-        """Whether every memmove destination is still where the plan saw it.
+        """Whether every byte-copy destination is still where the plan saw it.
 
         The destinations are this target's own detached aliases, so no one else can
         change their shape or strides; their storage, shared with the model, can still

@@ -32,6 +32,7 @@ __all__ = [
     "Layout",
     "ModuleReader",
     "BYTE_COPY_MAX",
+    "by_view",
     "byte_view",
     "bytes_are_values",
     "flatten",
@@ -65,6 +66,11 @@ MEMMOVE_ALL_MAX = 64
 # Copies up to this many bytes go by memoryview assignment (`byte_view`), larger ones by
 # ctypes.memmove, which releases the GIL for the copy.
 BYTE_COPY_MAX = 1 << 16
+
+
+def by_view(nbytes: int) -> bool:
+    """Whether a byte copy of `nbytes` goes by `byte_view` (else by ctypes.memmove)."""
+    return 0 < nbytes <= BYTE_COPY_MAX
 
 
 def byte_view(address: int, nbytes: int) -> memoryview:

@@ -46,11 +46,11 @@ from ._buffers import CpuSegment, CudaBuffer, SharedBuffer, collect_garbage, seg
 from ._deadline import Deadline
 from ._errors import ClosedError, ProtocolError, PublishTimeout, ZmqSyncError
 from ._layout import (
-    BYTE_COPY_MAX,
     MEMMOVE_ALL_MAX,
     Key,
     Layout,
     ModuleReader,
+    by_view,
     byte_view,
     bytes_are_values,
     flatten,
@@ -708,8 +708,8 @@ class _ByteMove:
     @classmethod
     def to(cls, view: torch.Tensor) -> _ByteMove:
         nbytes = view.numel() * view.element_size()
-        small = 0 < nbytes <= BYTE_COPY_MAX
-        return cls(view.data_ptr(), nbytes, byte_view(view.data_ptr(), nbytes) if small else None)
+        dst = byte_view(view.data_ptr(), nbytes) if by_view(nbytes) else None
+        return cls(view.data_ptr(), nbytes, dst)
 
     def copy(self, source: torch.Tensor) -> None:
         address = source.data_ptr()
