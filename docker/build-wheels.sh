@@ -28,7 +28,15 @@ isolation=()
 if "$PYTHON" -c "import setuptools" 2>/dev/null; then
     isolation=(--no-build-isolation) # build with the host's setuptools: no index needed
 fi
-SOURCE_DATE_EPOCH=${SOURCE_DATE_EPOCH:-315532800} \
+# The wheel carries zmqsync's native copy loop, compiled for this interpreter: when the
+# image's Python ($PY_VERSION) is another one, a pure-Python wheel instead (it copies from
+# Python; see docs/benchmarks.md, "Round 4").
+host_version=$("$PYTHON" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+native=1
+if [ "$host_version" != "$PY_VERSION" ] || [ "$(uname -m)" != x86_64 ]; then
+    native=0
+fi
+ZMQSYNC_BUILD_NATIVE=$native SOURCE_DATE_EPOCH=${SOURCE_DATE_EPOCH:-315532800} \
     "$PYTHON" -m pip wheel -q --no-deps "${isolation[@]}" -w "$here/dist" "$root" 2>&1 \
     | grep -v "is ignored: it is neither" >&2 || true
 wheel=$(ls "$here"/dist/zmqsync-*.whl)
@@ -40,7 +48,7 @@ fi
 
 # a fresh download each time: the folder holds exactly one consistent set of wheels
 rm -f "$here"/wheelhouse/*.whl
-platforms=(--platform manylinux2014_x86_64)
+platforms=(--platform manylinux2014_x86_64 --platform linux_x86_64) # the last: our wheel
 for v in 17 24 26 27 28 31 34 35 36; do
     platforms+=(--platform "manylinux_2_${v}_x86_64")
 done

@@ -15,7 +15,18 @@ import pytest
 import torch
 
 import zmqsync
+from zmqsync import _layout
 from zmqsync._layout import ModuleReader, flatten
+
+
+@pytest.fixture(params=["native", "python"])
+def copy_loop(request, monkeypatch):
+    """The worker's byte copies through the native loop, or (not built) from Python."""
+    if request.param == "python":
+        monkeypatch.setattr(_layout, "NATIVE_COPY", None)
+    else:
+        assert _layout.NATIVE_COPY is not None
+    return request.param
 
 
 class Tricky(torch.nn.Module):
@@ -119,7 +130,7 @@ class Wide(torch.nn.Module):
 
 @pytest.mark.parametrize("many", [False, True], ids=["few", "many"])
 @pytest.mark.parametrize("mode", ["copy", "alias"])
-def test_every_copy_path_delivers_exact_values(name, mode, many):
+def test_every_copy_path_delivers_exact_values(name, mode, many, copy_loop):
     trainer, worker = Wide(many), Wide(many)
     assert not worker.bent.is_contiguous()
     with (
@@ -136,7 +147,7 @@ def test_every_copy_path_delivers_exact_values(name, mode, many):
                 assert torch.equal(flatten(worker)[key], expected), (step, key)
 
 
-def test_copy_mode_follows_a_storage_that_was_freed_and_reallocated(name):
+def test_copy_mode_follows_a_storage_that_was_freed_and_reallocated(name, copy_loop):
     """FSDP frees a parameter by resizing its storage to 0 and re-allocates it later: the
     memmove the copy plan keeps must go to the new memory, never the freed one."""
     trainer, worker = torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)
@@ -161,7 +172,7 @@ def test_copy_mode_follows_a_storage_that_was_freed_and_reallocated(name):
 
 
 @pytest.mark.parametrize("replace", ["data", "parameter", "in place"])
-def test_publish_reads_a_source_that_moved_since_the_last_one(name, replace):
+def test_publish_reads_a_source_that_moved_since_the_last_one(name, replace, copy_loop):
     """The publisher copies a few small tensors as bytes and keeps a view of where each
     source was: a source re-allocated (``.data =``, a new Parameter) must be read where
     it is now, and one written in place read again."""
@@ -234,7 +245,7 @@ def test_the_all_acked_check_agrees_with_missing_whatever_the_order(name):
 
 
 @pytest.mark.parametrize("mode", ["copy", "alias"])
-def test_conjugate_views_arrive_as_their_values(name, mode):
+def test_conjugate_views_arrive_as_their_values(name, mode, copy_loop):
     """memmove copies bytes; a conj() view's bytes are not its values (torch applies the
     bit lazily), so such tensors must go through torch, on the publisher's side and into a
     worker's own conj() tensor."""

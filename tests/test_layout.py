@@ -6,13 +6,23 @@ No sockets, no shared memory: a slot here is a plain uint8 tensor.
 from __future__ import annotations
 
 import time
+from array import array
 
 import pytest
 import torch
 from tensordict import TensorDict
 
 import zmqsync
-from zmqsync._layout import PAGE, Layout, flatten, to_tensordict, torch_dtype
+from zmqsync import _layout
+from zmqsync._layout import (
+    BYTE_COPY_MAX,
+    PAGE,
+    ByteCopies,
+    Layout,
+    flatten,
+    to_tensordict,
+    torch_dtype,
+)
 from zmqsync._protocol import ALIGN
 
 DTYPES = [
@@ -394,3 +404,39 @@ def test_check_is_linear_in_the_number_of_tensors():
     start = time.perf_counter()
     layout.check(flat)
     assert time.perf_counter() - start < 0.25, "6000 tensors take ~5 ms when linear"
+
+
+def test_the_native_copy_loop_is_built():
+    """The README's install compiles it (gcc is part of this machine's setup). Without it
+    every copy still works, from Python, and a 2,000-tensor worker spends ~50% more CPU
+    per version (docs/benchmarks.md): a silent fallback here would go unnoticed."""
+    assert _layout.NATIVE_COPY is not None, "zmqsync._native was not built: pip install -e ."
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
+def test_byte_copies_write_exactly_the_planned_ranges(monkeypatch, native):
+    if not native:
+        monkeypatch.setattr(_layout, "NATIVE_COPY", None)
+    sizes = [0, 1, 7, 4096, BYTE_COPY_MAX, BYTE_COPY_MAX + 1, 3 << 20]
+    sources = [torch.randint(0, 256, (n,), dtype=torch.uint8) for n in sizes]
+    targets = [torch.zeros(n + 16, dtype=torch.uint8) for n in sizes]  # 8 guard bytes a side
+    copies = ByteCopies(
+        (t.data_ptr() + 8, s.data_ptr(), n) for t, s, n in zip(targets, sources, sizes, strict=True)
+    )
+    for _ in range(2):  # a plan is addresses: run again, it copies what they hold now
+        copies.run()
+        for target, source, n in zip(targets, sources, sizes, strict=True):
+            assert torch.equal(target[8 : 8 + n], source), n
+            assert not target[:8].any() and not target[8 + n :].any(), n
+        for source in sources:
+            source.random_(0, 256)
+
+
+def test_the_native_copy_refuses_a_plan_that_is_not_whole_triples():
+    copy_many = _layout.NATIVE_COPY
+    assert copy_many is not None
+    with pytest.raises(ValueError, match="triples"):
+        copy_many(array("Q", [1, 2]))  # refused before any address is touched
+    with pytest.raises(TypeError):
+        copy_many(12)  # type: ignore[arg-type]
+    copy_many(array("Q"))  # nothing to copy

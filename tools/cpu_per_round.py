@@ -34,8 +34,12 @@ import zmqsync
 
 _WORKER = r"""
 import sys, torch, zmq, zmqsync
-mode, name, raw_events, raw_acks = sys.argv[1:5]
-model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(4)])
+mode, name, raw_events, raw_acks, kind = sys.argv[1:6]
+if kind == "many":
+    from zmqsync._bench_worker import make_model
+    model = make_model("many", 0, fill=False)[0]
+else:
+    model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(4)])
 ctx = zmq.Context()
 sub = ctx.socket(zmq.SUB)
 sub.connect(raw_events)
@@ -52,7 +56,11 @@ ctx.destroy(linger=0)
 """
 
 
-def _model() -> torch.nn.Module:
+def _model(kind: str) -> torch.nn.Module:
+    if kind == "many":  # the bench's 2,000 tensors of 2 KB
+        from zmqsync._bench_worker import make_model
+
+        return make_model("many", 0, fill=True, grad=True)[0]
     return torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(4)])  # 4 KB, 8 tensors
 
 
@@ -72,6 +80,7 @@ def main() -> int:
     parser.add_argument("--mode", choices=("copy", "alias"), default="alias")
     parser.add_argument("--iters", type=int, default=3000, help="rounds per phase")
     parser.add_argument("--rounds", type=int, default=1, help="alternations of the phases")
+    parser.add_argument("--model", choices=("4k", "many"), default="4k", help="many: 2,000 x 2 KB")
     args = parser.parse_args()
     n, iters = args.workers, args.iters
     rundir = tempfile.mkdtemp(prefix="zmqsync-cpu-")
@@ -86,10 +95,10 @@ def main() -> int:
     procs: list[subprocess.Popen[bytes]] = []
     rows: dict[str, list[float]] = {}
     try:
-        with zmqsync.Publisher(_model(), name=name, timeout=30) as pub:
+        with zmqsync.Publisher(_model(args.model), name=name, timeout=30) as pub:
             procs = [
                 subprocess.Popen(
-                    [sys.executable, "-c", _WORKER, args.mode, name, *_raw_endpoints(rundir)]
+                    [sys.executable, "-c", _WORKER, args.mode, name, *_raw_endpoints(rundir), args.model]
                 )
                 for _ in range(n)
             ]
@@ -137,7 +146,8 @@ def main() -> int:
                 proc.wait(10)
         ctx.destroy(linger=0)
         shutil.rmtree(rundir, ignore_errors=True)
-    print(f"{n} workers, {args.mode} mode, 4 KB model, {iters} rounds x {args.rounds}")
+    what = "2,000-tensor" if args.model == "many" else "4 KB"
+    print(f"{n} workers, {args.mode} mode, {what} model, {iters} rounds x {args.rounds}")
     print(f"{'µs per round (median of the rounds)':40s} {'value':>8s}")
     for key, values in rows.items():
         if key != "raw publisher agent":

@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import ctypes
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
@@ -19,10 +18,9 @@ import torch
 
 from ._errors import LayoutMismatch
 from ._layout import (
+    ByteCopies,
     Key,
     Layout,
-    by_view,
-    byte_view,
     bytes_are_values,
     flatten,
     to_tensordict,
@@ -91,12 +89,13 @@ class Target:
     def copy_from(self, views: Mapping[Key, torch.Tensor]) -> None:
         """Copy one slot into the model's own tensors.
 
-        Plain CPU tensors (`bytes_are_values`) are copied as bytes, on this thread: a
-        memmove each when large (torch's intra-op threads fight the other workers for
-        the same cores: a 64 MB copy went from 6 ms to 8 ms and worse with the other core
-        busy), a memoryview assignment when small (`byte_view`: 8 small copies through
-        torch cost a cold worker ~25 us of CPU more per version on the bench, and 2,000
-        of them in one `_foreach_copy_` take twice as long). The rest (other devices,
+        Plain CPU tensors (`bytes_are_values`) are copied as bytes, on this thread, by
+        one `ByteCopies` plan per slot (one native call; else a memmove each when large
+        and a memoryview assignment when small). Not through torch: its intra-op threads
+        fight the other workers for the same cores (a 64 MB copy went from 6 ms to 8 ms
+        and worse with the other core busy), 8 small copies through torch cost a cold
+        worker ~25 us of CPU more per version on the bench, and 2,000 of them in one
+        `_foreach_copy_` take twice as long as from Python. The rest (other devices,
         conj/neg views, dtype casts) goes through torch. A byte copy writes where the
         plan saw the tensor; every copy first checks those addresses (a storage resized
         under the model moves or frees them) and plans again if one changed.
@@ -174,21 +173,18 @@ class _CopyPlan:
 
     moved: list[torch.Tensor]  # the destinations copied as bytes
     addresses: list[int]  # where they were when planned
-    byte_copies: list[tuple[memoryview, memoryview]]  # (dst, src) of the small ones
-    memmoves: list[tuple[int, int, int]]  # (dst, src, bytes) of the big ones
+    byte_copies: ByteCopies
     small: _Pairs  # same device: one foreach
     other: _Pairs  # across devices (the CUDA transport's fallback), conj/neg: one by one
 
     @classmethod
     def of(cls, dsts: Mapping[Key, torch.Tensor], views: Mapping[Key, torch.Tensor]) -> _CopyPlan:
         moved: list[torch.Tensor] = []
-        byte_copies: list[tuple[memoryview, memoryview]] = []
-        memmoves: list[tuple[int, int, int]] = []
+        moves: list[tuple[int, int, int]] = []
         small: _Pairs = ([], [])
         other: _Pairs = ([], [])
         for key, dst in dsts.items():
             src = views[key]
-            nbytes = dst.numel() * dst.element_size()
             if (
                 bytes_are_values(dst)
                 and bytes_are_values(src)
@@ -196,11 +192,7 @@ class _CopyPlan:
                 and dst.data_ptr() != 0  # an empty (freed) storage: let torch say so
             ):
                 moved.append(dst)
-                if by_view(nbytes):
-                    pair = (byte_view(dst.data_ptr(), nbytes), byte_view(src.data_ptr(), nbytes))
-                    byte_copies.append(pair)
-                elif nbytes:
-                    memmoves.append((dst.data_ptr(), src.data_ptr(), nbytes))
+                moves.append((dst.data_ptr(), src.data_ptr(), dst.numel() * dst.element_size()))
             else:
                 # foreach takes neither a conj/neg destination nor one on another device
                 plain = not dst.is_conj() and not dst.is_neg()
@@ -208,7 +200,7 @@ class _CopyPlan:
                 pairs[0].append(dst)
                 pairs[1].append(src)
         addresses = [t.data_ptr() for t in moved]
-        return cls(moved, addresses, byte_copies, memmoves, small, other)
+        return cls(moved, addresses, ByteCopies(moves), small, other)
 
     def still_valid(self) -> bool:
         """Whether every byte-copy destination is still where the plan saw it.
@@ -217,13 +209,10 @@ class _CopyPlan:
         change their shape or strides; their storage, shared with the model, can still
         be resized (as FSDP does to free a parameter), and that moves or frees it.
         """
-        return [t.data_ptr() for t in self.moved] == self.addresses
+        return list(map(_DATA_PTR, self.moved)) == self.addresses
 
     def run(self) -> None:
-        for dst_bytes, src_bytes in self.byte_copies:
-            dst_bytes[:] = src_bytes
-        for dst, src, nbytes in self.memmoves:
-            ctypes.memmove(dst, src, nbytes)  # ctypes releases the GIL around the call
+        self.byte_copies.run()
         small, other = self.small, self.other
         if not small[0] and not other[0]:
             return
@@ -232,3 +221,6 @@ class _CopyPlan:
                 torch._foreach_copy_(*small)
             for dst_tensor, src_tensor in zip(*other, strict=True):
                 dst_tensor.copy_(src_tensor)
+
+
+_DATA_PTR: Callable[[torch.Tensor], int] = torch.Tensor.data_ptr

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import ctypes
 import math
+import os
 import threading
 import time
+from array import array
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from functools import cached_property
@@ -32,6 +34,8 @@ __all__ = [
     "Layout",
     "ModuleReader",
     "BYTE_COPY_MAX",
+    "NATIVE_COPY",
+    "ByteCopies",
     "by_view",
     "byte_view",
     "bytes_are_values",
@@ -83,6 +87,56 @@ def byte_view(address: int, nbytes: int) -> memoryview:
     `address` still holds `nbytes`.
     """
     return memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
+
+
+def _native_copy() -> Callable[[array[int]], None] | None:
+    """`_native.copy_many` when the extension was built and ZMQSYNC_NATIVE is not "0"."""
+    if os.environ.get("ZMQSYNC_NATIVE", "1") == "0":
+        return None
+    try:
+        from ._native import copy_many
+    except ImportError:  # installed without a C compiler: copies go from Python
+        return None
+    return copy_many  # type: ignore[no-any-return]
+
+
+# Copies many byte ranges in one call without the GIL; None: not built (or turned off).
+NATIVE_COPY = _native_copy()
+
+
+class ByteCopies:
+    """Byte copies planned once (destination, source, byte count) and run many times.
+
+    With the native extension they are one call that walks the plan without the GIL: a
+    worker's copy of a 2,000-tensor model took ~130 ns of interpreter per tensor
+    otherwise, more than the bytes. Without it, each small copy is a memoryview
+    assignment (`byte_view`) and each big one a ctypes.memmove (which drops the GIL).
+    The caller vouches that every address holds its byte count while the plan is used.
+    """
+
+    __slots__ = ("_native", "_plan", "_views", "_memmoves")
+
+    def __init__(self, moves: Iterable[tuple[int, int, int]]) -> None:
+        moves = [move for move in moves if move[2]]
+        self._native = NATIVE_COPY
+        self._plan = array("Q", [word for move in moves for word in move])
+        self._views: list[tuple[memoryview, memoryview]] = []
+        self._memmoves: list[tuple[int, int, int]] = []
+        if self._native is None:
+            for dst, src, nbytes in moves:
+                if by_view(nbytes):
+                    self._views.append((byte_view(dst, nbytes), byte_view(src, nbytes)))
+                else:
+                    self._memmoves.append((dst, src, nbytes))
+
+    def run(self) -> None:
+        if self._native is not None:
+            self._native(self._plan)
+            return
+        for dst, src in self._views:
+            dst[:] = src
+        for dst_address, src_address, nbytes in self._memmoves:
+            ctypes.memmove(dst_address, src_address, nbytes)  # releases the GIL
 
 
 def bytes_are_values(tensor: torch.Tensor) -> bool:
