@@ -232,7 +232,12 @@ class _Responder:
 
     Frames in: ``[kind, seq, payload?]``; out: ``[index, seq]``. Kinds: ``raw`` (echo:
     the raw ZeroMQ floor), ``naive`` (unpickle a state_dict and load it into the model),
-    ``copy`` (one ``copy_`` of the floor buffer into the model's own bytes).
+    ``copy`` (one memcpy of the floor buffer into the model's own bytes, on this thread).
+
+    The copy is a plain memcpy on one thread, as a zmqsync worker's is: a torch ``copy_``
+    with torch's default two threads in each of N+1 processes on 2 cores made the "floor"
+    erratic (9 processes copying 4 MB: 4 ms in one run, 25-50 ms in others, with
+    OpenMP threads spinning) and left spinning threads to bill the publish measured next.
     """
 
     def __init__(self, worker: _PoolWorker, events: str, acks: str) -> None:
@@ -270,7 +275,7 @@ class _Responder:
                 elif kind == b"copy":
                     src, flat = self.worker.floor_src, self.worker.flat
                     if src is not None and flat is not None:
-                        flat[: src.numel()].copy_(src)
+                        ctypes.memmove(flat.data_ptr(), src.data_ptr(), src.numel())
                 self.push.send_multipart([self.ident, seq])
         except Exception as exc:  # reported by the next command's reply
             self.error = f"{type(exc).__name__}: {exc}"
