@@ -98,7 +98,15 @@ def main() -> int:
         with zmqsync.Publisher(_model(args.model), name=name, timeout=30) as pub:
             procs = [
                 subprocess.Popen(
-                    [sys.executable, "-c", _WORKER, args.mode, name, *_raw_endpoints(rundir), args.model]
+                    [
+                        sys.executable,
+                        "-c",
+                        _WORKER,
+                        args.mode,
+                        name,
+                        *_raw_endpoints(rundir),
+                        args.model,
+                    ]
                 )
                 for _ in range(n)
             ]

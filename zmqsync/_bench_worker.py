@@ -275,6 +275,8 @@ class _Responder:
                 elif kind == b"copy":
                     src, flat = self.worker.floor_src, self.worker.flat
                     if src is not None and flat is not None:
+                        if flat.numel() < src.numel():
+                            raise ValueError("the model is smaller than the floor buffer")
                         ctypes.memmove(flat.data_ptr(), src.data_ptr(), src.numel())
                 self.push.send_multipart([self.ident, seq])
         except Exception as exc:  # reported by the next command's reply
