@@ -119,10 +119,12 @@ class ByteCopies:
     def __init__(self, moves: Iterable[tuple[int, int, int]]) -> None:
         moves = [move for move in moves if move[2]]
         self._native = NATIVE_COPY
-        self._plan = array("Q", [word for move in moves for word in move])
+        self._plan = array("Q")  # the native loop's triples; the views and memmoves otherwise
         self._views: list[tuple[memoryview, memoryview]] = []
         self._memmoves: list[tuple[int, int, int]] = []
-        if self._native is None:
+        if self._native is not None:
+            self._plan.extend(word for move in moves for word in move)
+        else:
             for dst, src, nbytes in moves:
                 if by_view(nbytes):
                     self._views.append((byte_view(dst, nbytes), byte_view(src, nbytes)))
