@@ -19,13 +19,17 @@ from zmqsync import _layout
 from zmqsync._layout import ModuleReader, flatten
 
 
-@pytest.fixture(params=["native", "python"])
+@pytest.fixture(params=["native", "shared", "python"])
 def copy_loop(request, monkeypatch):
-    """The worker's byte copies through the native loop, or (not built) from Python."""
+    """The byte copies through the native loop (on one thread, or every one shared among
+    three), or (not built) from Python."""
     if request.param == "python":
         monkeypatch.setattr(_layout, "NATIVE_COPY", None)
     else:
         assert _layout.NATIVE_COPY is not None
+    if request.param == "shared":
+        monkeypatch.setattr(_layout, "SHARED_COPY_MIN", 1)
+        monkeypatch.setattr(_layout, "COPY_THREADS", 3)
     return request.param
 
 
@@ -200,6 +204,42 @@ def test_publish_reads_a_source_that_moved_since_the_last_one(name, replace, cop
             assert sub.wait_for_version(pub.version, timeout=20)
             assert torch.equal(worker.weight, fresh), step
             assert torch.equal(worker.mid, trainer.mid), step
+
+
+class TwoBig(torch.nn.Module):
+    """Two tensors of 1.2 MB (the publisher's "big" ones); `bent`: the second is a
+    transposed view (not contiguous: no byte copy may read it)."""
+
+    def __init__(self, bent: bool = False) -> None:
+        super().__init__()
+        self.a = torch.nn.Parameter(torch.zeros(600, 512))
+        self.b = torch.nn.Parameter(torch.zeros(512, 600).t() if bent else torch.zeros(600, 512))
+
+
+@pytest.mark.parametrize("source", ["in place", "replaced", "bent"])
+def test_big_tensors_arrive_whichever_way_the_publisher_copies_them(name, source, copy_loop):
+    """Shared among threads (copy_loop "shared"), or by torch when a source is not a plain
+    contiguous tensor; a source re-allocated between publishes is read where it is now."""
+    trainer, worker = TwoBig(bent=source == "bent"), TwoBig()
+    with (
+        zmqsync.Publisher(trainer, name=name, timeout=20) as pub,
+        zmqsync.Subscriber(name=name, model=worker, mode="copy") as sub,
+    ):
+        kept = []  # old sources stay allocated: their addresses are not handed out again
+        for step in range(1, 5):
+            fresh = torch.randn(600, 512)
+            if source == "replaced":
+                kept.append(trainer.a.data)
+                trainer.a.data = fresh
+            else:
+                with torch.no_grad():
+                    trainer.a.copy_(fresh)
+            with torch.no_grad():
+                trainer.b.copy_(fresh * -step)
+            pub.publish()
+            assert sub.wait_for_version(pub.version, timeout=20)
+            assert torch.equal(worker.a, fresh), step
+            assert torch.equal(worker.b, fresh * -step), step
 
 
 def test_the_all_acked_check_agrees_with_missing_whatever_the_order(name):

@@ -432,6 +432,56 @@ def test_byte_copies_write_exactly_the_planned_ranges(monkeypatch, native):
             source.random_(0, 256)
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3, 8])
+def test_a_native_copy_shared_among_threads_writes_exactly_the_planned_ranges(threads):
+    """The helpers take 512 KiB chunks of the plan's bytes: chunks start and end inside
+    ranges, and ranges (0 and 1 byte among them) fall inside one chunk."""
+    copy_many = _layout.NATIVE_COPY
+    assert copy_many is not None
+    sizes = [(1 << 20) + 3, 0, 1, 5, (512 << 10) - 1, 3 << 20, 77, (2 << 20) + 1]
+    sources = [torch.randint(0, 256, (n,), dtype=torch.uint8) for n in sizes]
+    targets = [torch.zeros(n + 16, dtype=torch.uint8) for n in sizes]  # 8 guard bytes a side
+    plan = array("Q")
+    for t, s, n in zip(targets, sources, sizes, strict=True):
+        plan.extend((t.data_ptr() + 8, s.data_ptr(), n))
+    for _ in range(3):
+        copy_many(plan, threads)
+        for target, source, n in zip(targets, sources, sizes, strict=True):
+            assert torch.equal(target[8 : 8 + n], source), n
+            assert not target[:8].any() and not target[8 + n :].any(), n
+        for source in sources:
+            source.random_(0, 256)
+
+
+def test_byte_copies_share_only_a_big_plan_among_threads(monkeypatch):
+    monkeypatch.setattr(_layout, "COPY_THREADS", 3)
+    big = [torch.zeros(_layout.SHARED_COPY_MIN // 2, dtype=torch.uint8) for _ in range(4)]
+    plan = [(big[0].data_ptr(), big[1].data_ptr(), big[0].numel())]
+    assert ByteCopies(plan).threads == 1
+    plan.append((big[2].data_ptr(), big[3].data_ptr(), big[2].numel()))
+    big[3].fill_(9)
+    copies = ByteCopies(plan)
+    assert copies.threads == 3
+    copies.run()
+    assert bool((big[2] == 9).all())
+    monkeypatch.setattr(_layout, "NATIVE_COPY", None)
+    assert ByteCopies(plan).threads == 1, "the Python fallback copies on this thread"
+
+
+@pytest.mark.parametrize(
+    ("setting", "expected"), [("1", 1), ("3", 3), ("64", 64), ("0", None), ("two", None)]
+)
+def test_copy_threads_come_from_the_environment(monkeypatch, setting, expected):
+    monkeypatch.setenv("ZMQSYNC_COPY_THREADS", setting)
+    if expected is None:
+        with pytest.raises(ValueError, match="ZMQSYNC_COPY_THREADS"):
+            _layout._copy_threads()
+    else:
+        assert _layout._copy_threads() == expected
+    monkeypatch.delenv("ZMQSYNC_COPY_THREADS")
+    assert 1 <= _layout._copy_threads() <= 4
+
+
 def test_the_native_copy_refuses_a_plan_that_is_not_whole_triples():
     copy_many = _layout.NATIVE_COPY
     assert copy_many is not None
@@ -440,3 +490,6 @@ def test_the_native_copy_refuses_a_plan_that_is_not_whole_triples():
     with pytest.raises(TypeError):
         copy_many(12)  # type: ignore[arg-type]
     copy_many(array("Q"))  # nothing to copy
+    for threads in (0, 65):
+        with pytest.raises(ValueError, match="threads"):
+            copy_many(array("Q"), threads)

@@ -34,8 +34,11 @@ __all__ = [
     "Layout",
     "ModuleReader",
     "BYTE_COPY_MAX",
+    "COPY_THREADS",
     "NATIVE_COPY",
+    "SHARED_COPY_MIN",
     "ByteCopies",
+    "shares_copy",
     "by_view",
     "byte_view",
     "bytes_are_values",
@@ -89,7 +92,7 @@ def byte_view(address: int, nbytes: int) -> memoryview:
     return memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
 
 
-def _native_copy() -> Callable[[array[int]], None] | None:
+def _native_copy() -> Callable[..., None] | None:
     """`_native.copy_many` when the extension was built and ZMQSYNC_NATIVE is not "0"."""
     if os.environ.get("ZMQSYNC_NATIVE", "1") == "0":
         return None
@@ -100,8 +103,40 @@ def _native_copy() -> Callable[[array[int]], None] | None:
     return copy_many  # type: ignore[no-any-return]
 
 
+def _copy_threads() -> int:
+    """Threads a big native copy is shared among: ZMQSYNC_COPY_THREADS, else the CPUs
+    this process may run on, at most 4 (a cap: past a few threads a copy is bound by
+    memory bandwidth; only 2 could be measured here)."""
+    setting = os.environ.get("ZMQSYNC_COPY_THREADS", "")
+    if setting:
+        try:
+            threads = int(setting)
+        except ValueError:
+            raise ValueError(
+                f"ZMQSYNC_COPY_THREADS={setting!r}: give a whole number from 1 to 64"
+            ) from None
+        if not 1 <= threads <= 64:
+            raise ValueError(f"ZMQSYNC_COPY_THREADS={threads}: give a number from 1 to 64")
+        return threads
+    return max(1, min(4, len(os.sched_getaffinity(0))))
+
+
 # Copies many byte ranges in one call without the GIL; None: not built (or turned off).
 NATIVE_COPY = _native_copy()
+COPY_THREADS = _copy_threads()
+
+# A native copy of at least this many bytes is shared among COPY_THREADS threads. Below
+# it, starting the helpers (~45 us each here) costs what the second thread saves: a
+# 4 MiB copy took 0.09 ms on one thread, 0.12 ms on two. From 16 MiB two threads took
+# 0.6 against 0.9 ms, 64 MiB 3.3 against 6.1 ms, and no longer than one thread with
+# the other core busy (torch's copy_ then took 8.6 ms for 64 MiB: its idle OpenMP
+# threads spin).
+SHARED_COPY_MIN = 16 << 20
+
+
+def shares_copy(nbytes: int) -> bool:
+    """Whether a native copy of `nbytes` bytes is shared among `COPY_THREADS` threads."""
+    return NATIVE_COPY is not None and COPY_THREADS > 1 and nbytes >= SHARED_COPY_MIN
 
 
 class ByteCopies:
@@ -109,21 +144,26 @@ class ByteCopies:
 
     With the native extension they are one call that walks the plan without the GIL: a
     worker's copy of a 2,000-tensor model took ~130 ns of interpreter per tensor
-    otherwise, more than the bytes. Without it, each small copy is a memoryview
+    otherwise, more than the bytes. A plan of `SHARED_COPY_MIN` bytes or more is shared
+    among `COPY_THREADS` threads. Without the extension, each small copy is a memoryview
     assignment (`byte_view`) and each big one a ctypes.memmove (which drops the GIL).
-    The caller vouches that every address holds its byte count while the plan is used.
+    The caller vouches that every address holds its byte count while the plan is used,
+    and that no two ranges overlap.
     """
 
-    __slots__ = ("_native", "_plan", "_views", "_memmoves")
+    __slots__ = ("_native", "_plan", "_threads", "_views", "_memmoves")
 
     def __init__(self, moves: Iterable[tuple[int, int, int]]) -> None:
         moves = [move for move in moves if move[2]]
         self._native = NATIVE_COPY
         self._plan = array("Q")  # the native loop's triples; the views and memmoves otherwise
+        self._threads = 1
         self._views: list[tuple[memoryview, memoryview]] = []
         self._memmoves: list[tuple[int, int, int]] = []
         if self._native is not None:
             self._plan.extend(word for move in moves for word in move)
+            if shares_copy(sum(nbytes for _, _, nbytes in moves)):
+                self._threads = COPY_THREADS
         else:
             for dst, src, nbytes in moves:
                 if by_view(nbytes):
@@ -131,9 +171,14 @@ class ByteCopies:
                 else:
                     self._memmoves.append((dst, src, nbytes))
 
+    @property
+    def threads(self) -> int:
+        """How many threads one run uses."""
+        return self._threads
+
     def run(self) -> None:
         if self._native is not None:
-            self._native(self._plan)
+            self._native(self._plan, self._threads)
             return
         for dst, src in self._views:
             dst[:] = src

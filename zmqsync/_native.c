@@ -1,25 +1,160 @@
-/* zmqsync._native: copy many byte ranges in one call.
+/* zmqsync._native: copy many byte ranges in one call, on one thread or a few.
  *
  * A version of a model with thousands of tensors is thousands of small copies. Done one
  * by one from Python (a memoryview assignment each), the interpreter's ~130 ns per copy
  * costs more than the bytes: a worker spent 1.6 ms of CPU per version of a 2,000-tensor
  * 4 MB model, 1.1 ms with this loop. The plan is built once per slot; this only walks it.
  *
+ * A big plan can be shared with helper threads started for the call. They take 512 KiB
+ * chunks from a counter, so a helper the scheduler does not run (the other cores busy)
+ * costs nothing but its start: the calling thread takes the chunks it left. Nothing
+ * spins: unlike torch's OpenMP threads, which turned a 16 MiB copy from 0.9 ms into
+ * 5 ms when another process kept the other core busy, a copy here is never slower than
+ * one thread's by more than starting the helpers (~45 us; hence only for big plans).
+ * The call returns once every chunk is copied; a helper that is still on its way out
+ * touches only the job record, which the last one out frees.
+ *
  * Optional: when it is not built (no compiler), zmqsync copies from Python instead.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <pthread.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
-PyDoc_STRVAR(copy_many_doc,
-"copy_many(plan, /)\n--\n\n"
-"Copy bytes as `plan` says: a buffer of native uint64 triples (destination address,\n"
-"source address, byte count), in order. The caller vouches for every address: they\n"
-"come from tensors it checked. Runs without the GIL.");
+#define CHUNK_BYTES ((uint64_t)512 * 1024)
+#define MAX_THREADS 64
 
-static PyObject *copy_many(PyObject *self, PyObject *plan)
+typedef struct {
+    const char *words; /* the plan: (destination, source, byte count) uint64 triples */
+    size_t triples;
+    uint64_t total;    /* bytes in the plan */
+    size_t chunks;     /* CHUNK_BYTES pieces of the plan's bytes, in plan order */
+    size_t next;       /* the next chunk to take (atomic) */
+    size_t done;       /* chunks copied (under mu) */
+    int refs;          /* threads still using this record (under mu) */
+    pthread_mutex_t mu;
+    pthread_cond_t all_done;
+} Job;
+
+static void triple_at(const char *words, size_t i, uint64_t triple[3])
 {
+    memcpy(triple, words + i * 3 * sizeof(uint64_t), 3 * sizeof(uint64_t)); /* any alignment */
+}
+
+/* Copy the plan's bytes [lo, hi), counted along the plan in order. */
+static void copy_span(const char *words, size_t triples, uint64_t lo, uint64_t hi)
+{
+    uint64_t start = 0;
+    for (size_t i = 0; i < triples && start < hi; i++) {
+        uint64_t t[3];
+        triple_at(words, i, t);
+        const uint64_t end = start + t[2];
+        if (end > lo) {
+            const uint64_t from = start > lo ? start : lo, to = end < hi ? end : hi;
+            memmove((char *)(uintptr_t)t[0] + (from - start),
+                    (const char *)(uintptr_t)t[1] + (from - start), (size_t)(to - from));
+        }
+        start = end;
+    }
+}
+
+static void take_chunks(Job *job)
+{
+    for (;;) {
+        const size_t k = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED);
+        if (k >= job->chunks) {
+            return;
+        }
+        const uint64_t lo = (uint64_t)k * CHUNK_BYTES;
+        const uint64_t hi = lo + CHUNK_BYTES < job->total ? lo + CHUNK_BYTES : job->total;
+        copy_span(job->words, job->triples, lo, hi);
+        pthread_mutex_lock(&job->mu); /* also orders the bytes before the caller's return */
+        if (++job->done == job->chunks) {
+            pthread_cond_signal(&job->all_done);
+        }
+        pthread_mutex_unlock(&job->mu);
+    }
+}
+
+static void release(Job *job)
+{
+    pthread_mutex_lock(&job->mu);
+    const int left = --job->refs;
+    pthread_mutex_unlock(&job->mu);
+    if (left == 0) {
+        pthread_cond_destroy(&job->all_done);
+        pthread_mutex_destroy(&job->mu);
+        free(job);
+    }
+}
+
+static void *helper(void *arg)
+{
+    take_chunks((Job *)arg);
+    release((Job *)arg);
+    return NULL;
+}
+
+/* Copy the plan on `threads` threads (this one and threads - 1 helpers). */
+static void copy_shared(const char *words, size_t triples, uint64_t total, int threads)
+{
+    Job *job = calloc(1, sizeof(Job));
+    if (job == NULL || pthread_mutex_init(&job->mu, NULL) != 0) {
+        free(job);
+        copy_span(words, triples, 0, total);
+        return;
+    }
+    pthread_cond_init(&job->all_done, NULL);
+    job->words = words;
+    job->triples = triples;
+    job->total = total;
+    job->chunks = (size_t)((total + CHUNK_BYTES - 1) / CHUNK_BYTES);
+    job->refs = 1;
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    for (int i = 1; i < threads; i++) {
+        pthread_t thread;
+        pthread_mutex_lock(&job->mu);
+        job->refs++;
+        pthread_mutex_unlock(&job->mu);
+        if (pthread_create(&thread, &attr, helper, job) != 0) {
+            release(job); /* no helper: this thread takes its chunks */
+            break;
+        }
+    }
+    pthread_attr_destroy(&attr);
+    take_chunks(job);
+    pthread_mutex_lock(&job->mu);
+    while (job->done < job->chunks) {
+        pthread_cond_wait(&job->all_done, &job->mu);
+    }
+    pthread_mutex_unlock(&job->mu);
+    release(job);
+}
+
+PyDoc_STRVAR(copy_many_doc,
+"copy_many(plan, threads=1, /)\n--\n\n"
+"Copy bytes as `plan` says: a buffer of native uint64 triples (destination address,\n"
+"source address, byte count). With `threads` > 1 the bytes are shared out in 512 KiB\n"
+"chunks among this thread and threads - 1 helpers started for the call. The caller\n"
+"vouches for every address (they come from tensors it checked) and that no two ranges\n"
+"overlap. Runs without the GIL; returns when every byte is copied.");
+
+static PyObject *copy_many(PyObject *self, PyObject *args)
+{
+    PyObject *plan;
+    int threads = 1;
+    if (!PyArg_ParseTuple(args, "O|i:copy_many", &plan, &threads)) {
+        return NULL;
+    }
+    if (threads < 1 || threads > MAX_THREADS) {
+        PyErr_Format(PyExc_ValueError, "copy_many: threads must be 1 to %d, not %d",
+                     MAX_THREADS, threads);
+        return NULL;
+    }
     Py_buffer view;
     if (PyObject_GetBuffer(plan, &view, PyBUF_SIMPLE) < 0) {
         return NULL;
@@ -29,14 +164,23 @@ static PyObject *copy_many(PyObject *self, PyObject *plan)
         PyErr_SetString(PyExc_ValueError, "copy_many: the plan must hold whole uint64 triples");
         return NULL;
     }
-    const size_t n = (size_t)view.len / (3 * sizeof(uint64_t));
+    const size_t triples = (size_t)view.len / (3 * sizeof(uint64_t));
     const char *words = (const char *)view.buf;
     Py_BEGIN_ALLOW_THREADS
-    for (size_t i = 0; i < n; i++) {
-        uint64_t triple[3];
-        memcpy(triple, words + i * sizeof(triple), sizeof(triple)); /* any alignment */
-        memmove((void *)(uintptr_t)triple[0], (const void *)(uintptr_t)triple[1],
-                (size_t)triple[2]);
+    uint64_t total = 0;
+    for (size_t i = 0; i < triples; i++) {
+        uint64_t t[3];
+        triple_at(words, i, t);
+        total += t[2];
+    }
+    if (threads > 1 && total > CHUNK_BYTES) {
+        copy_shared(words, triples, total, threads);
+    } else {
+        for (size_t i = 0; i < triples; i++) {
+            uint64_t t[3];
+            triple_at(words, i, t);
+            memmove((void *)(uintptr_t)t[0], (const void *)(uintptr_t)t[1], (size_t)t[2]);
+        }
     }
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&view);
@@ -44,7 +188,7 @@ static PyObject *copy_many(PyObject *self, PyObject *plan)
 }
 
 static PyMethodDef methods[] = {
-    {"copy_many", copy_many, METH_O, copy_many_doc},
+    {"copy_many", copy_many, METH_VARARGS, copy_many_doc},
     {NULL, NULL, 0, NULL},
 };
 
