@@ -1,0 +1,131 @@
+"""Shared copies or not, alternating in one run: what `ZMQSYNC_COPY_THREADS` buys.
+
+A big copy (16 MiB or more) is shared among threads by the native loop, in the
+publisher (its tensors of 1 MiB and up) and in each copy-mode worker. Separate benchmark
+runs of the two settings differ by more than the effect (the host's memory speed drifts
+from minute to minute), so this starts one publisher and N subprocess workers (a bench
+MLP model) and alternates the two settings on the same processes, phase by phase:
+
+* ``--side publisher``: the publisher's big tensors by the shared loop, or by torch's
+  ``copy_`` (its OpenMP threads), as before round 5; the workers keep their default;
+* ``--side worker``: each worker's copy shared, or on its own thread; the publisher
+  keeps its default. Copy mode only (an alias-mode worker copies nothing).
+
+    .venv/bin/python tools/shared_copy_ab.py --size 64 --mode copy --workers 4 --side publisher
+
+It prints the median publish latency (publish called -> every ack in) of each phase and
+the median over the phases. The numbers of round 5 in docs/benchmarks.md come from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+
+import zmqsync
+from zmqsync import _layout
+from zmqsync._bench_worker import make_model
+
+# Each worker reads lines on stdin: "shared" / "single" sets how its next plans copy.
+_WORKER = r"""
+import sys, zmqsync
+from zmqsync import _layout
+from zmqsync._bench_worker import make_model
+name, nbytes, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+default = _layout.COPY_THREADS
+model = make_model("mlp", nbytes, fill=False)[0]
+with zmqsync.Subscriber(name=name, model=model, mode=mode) as sub:
+    for line in sys.stdin:
+        _layout.COPY_THREADS = default if line.strip() == "shared" else 1
+        if sub._target is not None:  # the next version plans its copies again
+            sub._target.forget_views()
+        print("ok", flush=True)
+"""
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size", type=int, default=64, help="model size, MiB")
+    parser.add_argument("--mode", choices=("copy", "alias"), default="copy")
+    parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("--side", choices=("publisher", "worker"), default="publisher")
+    parser.add_argument("--rounds", type=int, default=6, help="alternations of the phases")
+    parser.add_argument("--publishes", type=int, default=15, help="measured per phase")
+    args = parser.parse_args()
+    if args.side == "worker" and args.mode != "copy":
+        parser.error("--side worker measures copy mode (an alias-mode worker copies nothing)")
+    if _layout.COPY_THREADS < 2 or _layout.NATIVE_COPY is None:
+        parser.error("needs the native loop and 2+ CPUs (ZMQSYNC_COPY_THREADS unset)")
+    nbytes = args.size << 20
+    rundir = tempfile.mkdtemp(prefix="zmqsync-ab-")
+    os.environ["ZMQSYNC_RUNTIME_DIR"] = rundir
+    name = f"ab{os.getpid()}"
+    default = _layout.COPY_THREADS
+    procs: list[subprocess.Popen[str]] = []
+    latency: dict[str, list[float]] = {"shared": [], "single": []}
+    try:
+        model = make_model("mlp", nbytes, fill=True, grad=True)[0]
+        with zmqsync.Publisher(model, name=name, timeout=120) as pub:
+            procs = [
+                subprocess.Popen(
+                    [sys.executable, "-c", _WORKER, name, str(nbytes), args.mode],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    text=True,
+                )
+                for _ in range(args.workers)
+            ]
+            if not pub.wait_for_workers(args.workers, timeout=120):
+                raise SystemExit("workers did not join in 120 s")
+            for _ in range(args.rounds):
+                for setting in ("single", "shared"):
+                    _set(pub, procs, args.side, setting, default)
+                    for _ in range(3):  # plans rebuilt, pages touched
+                        pub.publish()
+                    seconds = [pub.publish().seconds for _ in range(args.publishes)]
+                    latency[setting].append(statistics.median(seconds) * 1e3)
+    finally:
+        for proc in procs:
+            if proc.stdin is not None:
+                proc.stdin.close()
+        for proc in procs:
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+        shutil.rmtree(rundir, ignore_errors=True)
+    print(f"{args.size} MiB, {args.mode} mode, {args.workers} workers, {args.side} side")
+    for setting, values in latency.items():
+        phases = ", ".join(f"{v:.2f}" for v in values)
+        print(f"{setting:7s} median {statistics.median(values):8.2f} ms   phases: {phases}")
+    return 0
+
+
+def _set(
+    pub: zmqsync.Publisher,
+    procs: list[subprocess.Popen[str]],
+    side: str,
+    setting: str,
+    default: int,
+) -> None:
+    """Switch one side to `setting`; the other keeps the default (shared)."""
+    if side == "publisher":
+        _layout.COPY_THREADS = default if setting == "shared" else 1
+        pub._write_plans = [pub._write_plan(slot) for slot in range(len(pub._write_plans))]
+        return
+    for proc in procs:
+        assert proc.stdin is not None and proc.stdout is not None
+        proc.stdin.write(setting + "\n")
+        proc.stdin.flush()
+        if proc.stdout.readline().strip() != "ok":
+            raise SystemExit("a worker did not switch")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
