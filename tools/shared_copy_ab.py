@@ -12,20 +12,30 @@ MLP model) and alternates the two settings on the same processes, phase by phase
   keeps its default. Copy mode only (an alias-mode worker copies nothing).
 
     .venv/bin/python tools/shared_copy_ab.py --size 64 --mode copy --workers 4 --side publisher
+    .venv/bin/python tools/shared_copy_ab.py --micro --size 64 [--busy]
 
-It prints the median publish latency (publish called -> every ack in) of each phase and
+``--micro`` times one copy of ``--size`` MiB into shared memory in this process: one
+thread (ctypes.memmove), torch's ``copy_`` at its default threads, and the native loop
+shared among ``COPY_THREADS``; ``--busy`` keeps one core busy with a spinning process
+meanwhile. It prints the median publish latency (publish called -> every ack in) of each phase and
 the median over the phases. The numbers of round 5 in docs/benchmarks.md come from it.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
+from array import array
+from collections.abc import Callable
+
+import torch
 
 import zmqsync
 from zmqsync import _layout
@@ -56,7 +66,17 @@ def main() -> int:
     parser.add_argument("--side", choices=("publisher", "worker"), default="publisher")
     parser.add_argument("--rounds", type=int, default=6, help="alternations of the phases")
     parser.add_argument("--publishes", type=int, default=15, help="measured per phase")
+    parser.add_argument(
+        "--step",
+        action="store_true",
+        help="before each publish, a 16 MiB torch copy_ at its default threads (a training "
+        "step's last kernel: its OpenMP threads are still spinning when publish() starts)",
+    )
+    parser.add_argument("--micro", action="store_true", help="time one copy in this process")
+    parser.add_argument("--busy", action="store_true", help="--micro with one core kept busy")
     args = parser.parse_args()
+    if args.micro:
+        return _micro(args.size << 20, busy=args.busy)
     if args.side == "worker" and args.mode != "copy":
         parser.error("--side worker measures copy mode (an alias-mode worker copies nothing)")
     if _layout.COPY_THREADS < 2 or _layout.NATIVE_COPY is None:
@@ -68,6 +88,10 @@ def main() -> int:
     default = _layout.COPY_THREADS
     procs: list[subprocess.Popen[str]] = []
     latency: dict[str, list[float]] = {"shared": [], "single": []}
+    step_src, step_dst = (
+        torch.ones(16 << 20, dtype=torch.uint8),
+        torch.zeros(16 << 20, dtype=torch.uint8),
+    )
     try:
         model = make_model("mlp", nbytes, fill=True, grad=True)[0]
         with zmqsync.Publisher(model, name=name, timeout=120) as pub:
@@ -87,7 +111,11 @@ def main() -> int:
                     _set(pub, procs, args.side, setting, default)
                     for _ in range(3):  # plans rebuilt, pages touched
                         pub.publish()
-                    seconds = [pub.publish().seconds for _ in range(args.publishes)]
+                    seconds = []
+                    for _ in range(args.publishes):
+                        if args.step:
+                            step_dst.copy_(step_src)
+                        seconds.append(pub.publish().seconds)
                     latency[setting].append(statistics.median(seconds) * 1e3)
     finally:
         for proc in procs:
@@ -104,6 +132,41 @@ def main() -> int:
     for setting, values in latency.items():
         phases = ", ".join(f"{v:.2f}" for v in values)
         print(f"{setting:7s} median {statistics.median(values):8.2f} ms   phases: {phases}")
+    return 0
+
+
+def _micro(nbytes: int, *, busy: bool) -> int:
+    """Median and worst of 1 s of copies per way, the ways interleaved copy by copy."""
+    copy_many = _layout.NATIVE_COPY
+    if copy_many is None:
+        raise SystemExit("needs the native loop")
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.zeros(nbytes, dtype=torch.uint8).share_memory_()  # type: ignore[no-untyped-call]
+    plan = array("Q", [dst.data_ptr(), src.data_ptr(), nbytes])
+    ways: dict[str, Callable[[], object]] = {
+        "one thread (memmove)": lambda: ctypes.memmove(dst.data_ptr(), src.data_ptr(), nbytes),
+        f"torch copy_ ({torch.get_num_threads()} threads)": lambda: dst.copy_(src),
+        f"shared ({_layout.COPY_THREADS} threads)": lambda: copy_many(plan, _layout.COPY_THREADS),
+    }
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if busy else None
+    times: dict[str, list[float]] = {way: [] for way in ways}
+    try:
+        end = time.monotonic() + max(3.0, len(ways) * 1.0)
+        while time.monotonic() < end or min(map(len, times.values())) < 5:
+            for way, run in ways.items():
+                started = time.perf_counter()
+                run()
+                times[way].append(time.perf_counter() - started)
+    finally:
+        if spinner is not None:
+            spinner.kill()
+            spinner.wait(10)
+    print(f"one copy of {nbytes >> 20} MiB into shared memory{', one core busy' if busy else ''}")
+    for way, seconds in times.items():
+        print(
+            f"{way:28s} median {statistics.median(seconds) * 1e3:8.3f} ms"
+            f"   worst {max(seconds[1:]) * 1e3:8.3f} ms   ({len(seconds)} copies)"
+        )
     return 0
 
 
