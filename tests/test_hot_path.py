@@ -217,9 +217,10 @@ class TwoBig(torch.nn.Module):
 
 
 @pytest.mark.parametrize("source", ["in place", "replaced", "bent"])
-def test_big_tensors_arrive_whichever_way_the_publisher_copies_them(name, source, copy_loop):
-    """Shared among threads (copy_loop "shared"), or by torch when a source is not a plain
-    contiguous tensor; a source re-allocated between publishes is read where it is now."""
+def test_big_tensors_arrive_whichever_way_they_are_copied(name, source, copy_loop):
+    """The publisher writes its big tensors with torch (a bent one too); a source
+    re-allocated between publishes is read where it is now, and the worker's copy of
+    them is shared among threads with copy_loop "shared"."""
     trainer, worker = TwoBig(bent=source == "bent"), TwoBig()
     with (
         zmqsync.Publisher(trainer, name=name, timeout=20) as pub,

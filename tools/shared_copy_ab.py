@@ -1,24 +1,25 @@
 """Shared copies or not, alternating in one run: what `ZMQSYNC_COPY_THREADS` buys.
 
-A big copy (16 MiB or more) is shared among threads by the native loop, in the
-publisher (its tensors of 1 MiB and up) and in each copy-mode worker. Separate benchmark
-runs of the two settings differ by more than the effect (the host's memory speed drifts
-from minute to minute), so this starts one publisher and N subprocess workers (a bench
-MLP model) and alternates the two settings on the same processes, phase by phase:
+A copy-mode worker's copy of 16 MiB or more is shared among threads by the native loop.
+Separate benchmark runs of the two settings differ by more than the effect (the host's
+memory speed drifts from minute to minute), so this starts one publisher and N
+subprocess copy-mode workers (a bench MLP model) and switches every worker between the
+two settings on the same processes, phase by phase: its copy shared, or on its own
+thread. It prints the median publish latency (publish called -> every ack in) of each
+phase and the median over the phases.
 
-* ``--side publisher``: the publisher's big tensors by the shared loop, or by torch's
-  ``copy_`` (its OpenMP threads), as before round 5; the workers keep their default;
-* ``--side worker``: each worker's copy shared, or on its own thread; the publisher
-  keeps its default. Copy mode only (an alias-mode worker copies nothing).
-
-    .venv/bin/python tools/shared_copy_ab.py --size 64 --mode copy --workers 4 --side publisher
+    .venv/bin/python tools/shared_copy_ab.py --size 64 --workers 4 [--step]
     .venv/bin/python tools/shared_copy_ab.py --micro --size 64 [--busy]
+
+``--step`` runs a 16 MiB torch ``copy_`` at its default threads before each publish, as
+a training step leaves its OpenMP threads spinning when ``publish()`` starts. Round 5
+also tried the shared loop for the publisher's big tensors; with ``--step`` it lost to
+torch's ``copy_`` (see docs/benchmarks.md; this tool at commit 51ca2ad has that side).
 
 ``--micro`` times one copy of ``--size`` MiB into shared memory in this process: one
 thread (ctypes.memmove), torch's ``copy_`` at its default threads, and the native loop
 shared among ``COPY_THREADS``; ``--busy`` keeps one core busy with a spinning process
-meanwhile. It prints the median publish latency (publish called -> every ack in) of each phase and
-the median over the phases. The numbers of round 5 in docs/benchmarks.md come from it.
+meanwhile. The numbers of round 5 in docs/benchmarks.md come from this tool.
 """
 
 from __future__ import annotations
@@ -61,9 +62,7 @@ with zmqsync.Subscriber(name=name, model=model, mode=mode) as sub:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", type=int, default=64, help="model size, MiB")
-    parser.add_argument("--mode", choices=("copy", "alias"), default="copy")
     parser.add_argument("--workers", type=int, default=1)
-    parser.add_argument("--side", choices=("publisher", "worker"), default="publisher")
     parser.add_argument("--rounds", type=int, default=6, help="alternations of the phases")
     parser.add_argument("--publishes", type=int, default=15, help="measured per phase")
     parser.add_argument(
@@ -77,15 +76,12 @@ def main() -> int:
     args = parser.parse_args()
     if args.micro:
         return _micro(args.size << 20, busy=args.busy)
-    if args.side == "worker" and args.mode != "copy":
-        parser.error("--side worker measures copy mode (an alias-mode worker copies nothing)")
     if _layout.COPY_THREADS < 2 or _layout.NATIVE_COPY is None:
         parser.error("needs the native loop and 2+ CPUs (ZMQSYNC_COPY_THREADS unset)")
     nbytes = args.size << 20
     rundir = tempfile.mkdtemp(prefix="zmqsync-ab-")
     os.environ["ZMQSYNC_RUNTIME_DIR"] = rundir
     name = f"ab{os.getpid()}"
-    default = _layout.COPY_THREADS
     procs: list[subprocess.Popen[str]] = []
     latency: dict[str, list[float]] = {"shared": [], "single": []}
     step_src, step_dst = (
@@ -97,7 +93,7 @@ def main() -> int:
         with zmqsync.Publisher(model, name=name, timeout=120) as pub:
             procs = [
                 subprocess.Popen(
-                    [sys.executable, "-c", _WORKER, name, str(nbytes), args.mode],
+                    [sys.executable, "-c", _WORKER, name, str(nbytes), "copy"],
                     stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE,
                     text=True,
@@ -108,7 +104,7 @@ def main() -> int:
                 raise SystemExit("workers did not join in 120 s")
             for _ in range(args.rounds):
                 for setting in ("single", "shared"):
-                    _set(pub, procs, args.side, setting, default)
+                    _set(procs, setting)
                     for _ in range(3):  # plans rebuilt, pages touched
                         pub.publish()
                     seconds = []
@@ -128,7 +124,8 @@ def main() -> int:
                 proc.kill()
                 proc.wait(10)
         shutil.rmtree(rundir, ignore_errors=True)
-    print(f"{args.size} MiB, {args.mode} mode, {args.workers} workers, {args.side} side")
+    step = ", a torch step before each publish" if args.step else ""
+    print(f"{args.size} MiB, copy mode, {args.workers} workers{step}")
     for setting, values in latency.items():
         phases = ", ".join(f"{v:.2f}" for v in values)
         print(f"{setting:7s} median {statistics.median(values):8.2f} ms   phases: {phases}")
@@ -170,18 +167,8 @@ def _micro(nbytes: int, *, busy: bool) -> int:
     return 0
 
 
-def _set(
-    pub: zmqsync.Publisher,
-    procs: list[subprocess.Popen[str]],
-    side: str,
-    setting: str,
-    default: int,
-) -> None:
-    """Switch one side to `setting`; the other keeps the default (shared)."""
-    if side == "publisher":
-        _layout.COPY_THREADS = default if setting == "shared" else 1
-        pub._write_plans = [pub._write_plan(slot) for slot in range(len(pub._write_plans))]
-        return
+def _set(procs: list[subprocess.Popen[str]], setting: str) -> None:
+    """Switch every worker's next copy plans to `setting` ("shared" or "single")."""
     for proc in procs:
         assert proc.stdin is not None and proc.stdout is not None
         proc.stdin.write(setting + "\n")

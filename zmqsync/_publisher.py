@@ -47,7 +47,6 @@ from ._deadline import Deadline
 from ._errors import ClosedError, ProtocolError, PublishTimeout, ZmqSyncError
 from ._layout import (
     MEMMOVE_ALL_MAX,
-    ByteCopies,
     Key,
     Layout,
     ModuleReader,
@@ -55,7 +54,6 @@ from ._layout import (
     byte_view,
     bytes_are_values,
     flatten,
-    shares_copy,
 )
 from ._protocol import (
     Ack,
@@ -501,15 +499,8 @@ class Publisher:
                 )
         mirror = [(key, self._slot_views[slot][key]) for key in gpu]
         moves = [_ByteMove.to(v) for _, v in small] if len(small) <= MEMMOVE_ALL_MAX else []
-        places = [(v.data_ptr(), v.numel() * v.element_size()) for _, v in big]
         return _WritePlan(
-            list(gpu.items()),
-            [k for k, _ in small],
-            [v for _, v in small],
-            moves,
-            big,
-            places if shares_copy(sum(nbytes for _, nbytes in places)) else [],
-            mirror,
+            list(gpu.items()), [k for k, _ in small], [v for _, v in small], moves, big, mirror
         )
 
     def _write(
@@ -521,11 +512,8 @@ class Publisher:
         plan = self._write_plans[slot]
         header.begin_write(slot)
         sources = [flat[key] for key in plan.small_keys]
-        big = plan.big
-        if plan.big_places and _write_shared([flat[key] for key, _ in big], plan.big_places):
-            big = []
         # A few small CPU tensors are copied as bytes: no dispatcher, no grad mode.
-        if plan.gpu or big or mirror or not _write_bytes(sources, plan.small_moves):
+        if plan.gpu or plan.big or mirror or not _write_bytes(sources, plan.small_moves):
             with torch.no_grad():
                 for key, view in plan.gpu:  # device to device, queued on the current stream
                     view.copy_(flat[key])
@@ -535,7 +523,7 @@ class Publisher:
                     except RuntimeError:  # e.g. a tensor moved to another device since start
                         for view, source in zip(plan.small_views, sources, strict=True):
                             view.copy_(source)
-                for key, view in big:  # fewer than SHARED_COPY_MIN bytes: torch's threads
+                for key, view in plan.big:  # torch's threads: the trainer's cores are free
                     view.copy_(flat[key])
                 if mirror:
                     for key, view in plan.mirror:
@@ -704,7 +692,6 @@ class _WritePlan:
     small_views: list[torch.Tensor]
     small_moves: list[_ByteMove]  # the same, copied as bytes; [] if too many
     big: list[tuple[Key, torch.Tensor]]  # CPU tensors copied one by one (torch's threads)
-    big_places: list[tuple[int, int]]  # their (address, bytes) for one shared copy; or []
     mirror: list[tuple[Key, torch.Tensor]]  # CPU copies of the CUDA tensors
 
 
@@ -747,27 +734,6 @@ def _write_bytes(sources: list[torch.Tensor], moves: list[_ByteMove]) -> bool:
         return False
     for source, move in zip(sources, moves, strict=True):
         move.copy(source)
-    return True
-
-
-def _write_shared(sources: list[torch.Tensor], places: list[tuple[int, int]]) -> bool:
-    """Write the big CPU tensors in one native copy shared among threads; False (nothing
-    written) when a source is not a plain contiguous CPU tensor.
-
-    torch's `copy_` would use its intra-op threads too, but their OpenMP workers spin
-    after each copy, on the cores the workers then copy on: with the two copies
-    alternating in one run, a 64 MB copy-mode publish to 4 workers took 22.1 ms this way
-    against 25.5 ms, and alias-mode publishes were as fast or faster (64 MB to 8 workers
-    6.2 against 6.8 ms). Shapes and dtypes were checked against the layout: each source
-    holds its place's byte count.
-    """
-    if not all(map(bytes_are_values, sources)):
-        return False
-    moves = [
-        (address, source.data_ptr(), nbytes)
-        for (address, nbytes), source in zip(places, sources, strict=True)
-    ]
-    ByteCopies(moves).run()
     return True
 
 
