@@ -432,13 +432,18 @@ def test_byte_copies_write_exactly_the_planned_ranges(monkeypatch, native):
             source.random_(0, 256)
 
 
+@pytest.mark.parametrize("ranges", ["few", "many"])
 @pytest.mark.parametrize("threads", [1, 2, 3, 8])
-def test_a_native_copy_shared_among_threads_writes_exactly_the_planned_ranges(threads):
+def test_a_native_copy_shared_among_threads_writes_exactly_the_planned_ranges(threads, ranges):
     """The helpers take 512 KiB chunks of the plan's bytes: chunks start and end inside
-    ranges, and ranges (0 and 1 byte among them) fall inside one chunk."""
+    ranges, ranges (0 and 1 byte among them) fall inside one chunk, and with thousands of
+    ranges each chunk finds its first one by a search."""
     copy_many = _layout.NATIVE_COPY
     assert copy_many is not None
-    sizes = [(1 << 20) + 3, 0, 1, 5, (512 << 10) - 1, 3 << 20, 77, (2 << 20) + 1]
+    if ranges == "few":
+        sizes = [(1 << 20) + 3, 0, 1, 5, (512 << 10) - 1, 3 << 20, 77, (2 << 20) + 1]
+    else:
+        sizes = torch.randint(0, 2500, (3000,), generator=torch.Generator().manual_seed(7)).tolist()
     sources = [torch.randint(0, 256, (n,), dtype=torch.uint8) for n in sizes]
     targets = [torch.zeros(n + 16, dtype=torch.uint8) for n in sizes]  # 8 guard bytes a side
     plan = array("Q")

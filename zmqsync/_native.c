@@ -29,6 +29,7 @@
 typedef struct {
     const char *words; /* the plan: (destination, source, byte count) uint64 triples */
     size_t triples;
+    uint64_t *ends;    /* bytes of the plan up to the end of each triple */
     uint64_t total;    /* bytes in the plan */
     size_t chunks;     /* CHUNK_BYTES pieces of the plan's bytes, in plan order */
     size_t next;       /* the next chunk to take (atomic) */
@@ -43,20 +44,39 @@ static void triple_at(const char *words, size_t i, uint64_t triple[3])
     memcpy(triple, words + i * 3 * sizeof(uint64_t), 3 * sizeof(uint64_t)); /* any alignment */
 }
 
-/* Copy the plan's bytes [lo, hi), counted along the plan in order. */
-static void copy_span(const char *words, size_t triples, uint64_t lo, uint64_t hi)
+/* Copy every triple of the plan, in order. */
+static void copy_all(const char *words, size_t triples)
 {
-    uint64_t start = 0;
-    for (size_t i = 0; i < triples && start < hi; i++) {
+    for (size_t i = 0; i < triples; i++) {
         uint64_t t[3];
         triple_at(words, i, t);
-        const uint64_t end = start + t[2];
-        if (end > lo) {
-            const uint64_t from = start > lo ? start : lo, to = end < hi ? end : hi;
-            memmove((char *)(uintptr_t)t[0] + (from - start),
-                    (const char *)(uintptr_t)t[1] + (from - start), (size_t)(to - from));
+        memmove((void *)(uintptr_t)t[0], (const void *)(uintptr_t)t[1], (size_t)t[2]);
+    }
+}
+
+/* Copy the plan's bytes [lo, hi), counted along the plan in order. A binary search finds
+ * the first triple: a plan of many small tensors is walked once per piece otherwise. */
+static void copy_span(const Job *job, uint64_t lo, uint64_t hi)
+{
+    size_t first = 0, last = job->triples;
+    while (first < last) { /* the first triple that ends after lo */
+        const size_t mid = first + (last - first) / 2;
+        if (job->ends[mid] <= lo) {
+            first = mid + 1;
+        } else {
+            last = mid;
         }
-        start = end;
+    }
+    for (size_t i = first; i < job->triples; i++) {
+        uint64_t t[3];
+        triple_at(job->words, i, t);
+        const uint64_t end = job->ends[i], start = end - t[2];
+        if (start >= hi) {
+            return;
+        }
+        const uint64_t from = start > lo ? start : lo, to = end < hi ? end : hi;
+        memmove((char *)(uintptr_t)t[0] + (from - start),
+                (const char *)(uintptr_t)t[1] + (from - start), (size_t)(to - from));
     }
 }
 
@@ -69,7 +89,7 @@ static void take_chunks(Job *job)
         }
         const uint64_t lo = (uint64_t)k * CHUNK_BYTES;
         const uint64_t hi = lo + CHUNK_BYTES < job->total ? lo + CHUNK_BYTES : job->total;
-        copy_span(job->words, job->triples, lo, hi);
+        copy_span(job, lo, hi);
         pthread_mutex_lock(&job->mu); /* also orders the bytes before the caller's return */
         if (++job->done == job->chunks) {
             pthread_cond_signal(&job->all_done);
@@ -86,6 +106,7 @@ static void release(Job *job)
     if (left == 0) {
         pthread_cond_destroy(&job->all_done);
         pthread_mutex_destroy(&job->mu);
+        free(job->ends);
         free(job);
     }
 }
@@ -101,11 +122,21 @@ static void *helper(void *arg)
 static void copy_shared(const char *words, size_t triples, uint64_t total, int threads)
 {
     Job *job = calloc(1, sizeof(Job));
-    if (job == NULL || pthread_mutex_init(&job->mu, NULL) != 0) {
+    uint64_t *ends = malloc(triples * sizeof(uint64_t));
+    if (job == NULL || ends == NULL || pthread_mutex_init(&job->mu, NULL) != 0) {
+        free(ends);
         free(job);
-        copy_span(words, triples, 0, total);
+        copy_all(words, triples); /* no memory for the shared record: one thread */
         return;
     }
+    uint64_t end = 0;
+    for (size_t i = 0; i < triples; i++) {
+        uint64_t t[3];
+        triple_at(words, i, t);
+        end += t[2];
+        ends[i] = end;
+    }
+    job->ends = ends;
     pthread_cond_init(&job->all_done, NULL);
     job->words = words;
     job->triples = triples;
@@ -176,11 +207,7 @@ static PyObject *copy_many(PyObject *self, PyObject *args)
     if (threads > 1 && total > CHUNK_BYTES) {
         copy_shared(words, triples, total, threads);
     } else {
-        for (size_t i = 0; i < triples; i++) {
-            uint64_t t[3];
-            triple_at(words, i, t);
-            memmove((void *)(uintptr_t)t[0], (const void *)(uintptr_t)t[1], (size_t)t[2]);
-        }
+        copy_all(words, triples);
     }
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&view);
