@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
+import select
 import shutil
 import statistics
 import subprocess
@@ -173,7 +174,8 @@ def _set(procs: list[subprocess.Popen[str]], setting: str) -> None:
         assert proc.stdin is not None and proc.stdout is not None
         proc.stdin.write(setting + "\n")
         proc.stdin.flush()
-        if proc.stdout.readline().strip() != "ok":
+        ready, _, _ = select.select([proc.stdout], [], [], 60)
+        if not ready or proc.stdout.readline().strip() != "ok":
             raise SystemExit("a worker did not switch")
 
 

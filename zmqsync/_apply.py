@@ -199,7 +199,7 @@ class _CopyPlan:
                 pairs = small if dst.device == src.device and plain else other
                 pairs[0].append(dst)
                 pairs[1].append(src)
-        addresses = [t.data_ptr() for t in moved]
+        addresses = [dst for dst, _, _ in moves]
         return cls(moved, addresses, ByteCopies(moves), small, other)
 
     def still_valid(self) -> bool:

@@ -118,23 +118,24 @@ static void *helper(void *arg)
     return NULL;
 }
 
-/* Copy the plan on `threads` threads (this one and threads - 1 helpers). */
-static void copy_shared(const char *words, size_t triples, uint64_t total, int threads)
+/* Copy the plan on `threads` threads (this one and threads - 1 helpers); a plan of one
+ * chunk or less on this thread alone. */
+static void copy_shared(const char *words, size_t triples, int threads)
 {
-    Job *job = calloc(1, sizeof(Job));
-    uint64_t *ends = malloc(triples * sizeof(uint64_t));
-    if (job == NULL || ends == NULL || pthread_mutex_init(&job->mu, NULL) != 0) {
-        free(ends);
-        free(job);
-        copy_all(words, triples); /* no memory for the shared record: one thread */
-        return;
-    }
-    uint64_t end = 0;
-    for (size_t i = 0; i < triples; i++) {
+    uint64_t *ends = triples ? malloc(triples * sizeof(uint64_t)) : NULL;
+    uint64_t total = 0;
+    for (size_t i = 0; ends != NULL && i < triples; i++) {
         uint64_t t[3];
         triple_at(words, i, t);
-        end += t[2];
-        ends[i] = end;
+        total += t[2];
+        ends[i] = total;
+    }
+    Job *job = total > CHUNK_BYTES ? calloc(1, sizeof(Job)) : NULL;
+    if (job == NULL || pthread_mutex_init(&job->mu, NULL) != 0) {
+        free(ends); /* too small to share, or no memory for the shared record */
+        free(job);
+        copy_all(words, triples);
+        return;
     }
     job->ends = ends;
     pthread_cond_init(&job->all_done, NULL);
@@ -198,14 +199,8 @@ static PyObject *copy_many(PyObject *self, PyObject *args)
     const size_t triples = (size_t)view.len / (3 * sizeof(uint64_t));
     const char *words = (const char *)view.buf;
     Py_BEGIN_ALLOW_THREADS
-    uint64_t total = 0;
-    for (size_t i = 0; i < triples; i++) {
-        uint64_t t[3];
-        triple_at(words, i, t);
-        total += t[2];
-    }
-    if (threads > 1 && total > CHUNK_BYTES) {
-        copy_shared(words, triples, total, threads);
+    if (threads > 1) {
+        copy_shared(words, triples, threads);
     } else {
         copy_all(words, triples);
     }
