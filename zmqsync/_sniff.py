@@ -6,6 +6,9 @@ parser, and nothing is ever unpickled). Without a tap it falls back to the event
 socket: it then sees what the publisher broadcasts (RECEIVE, STOP, HEARTBEAT) but no
 acks.
 
+Everything in a record but its type and direction comes from a peer: `to_line` and
+`Summary.line` escape it (`printable`) for the terminal, `to_line` also for rich markup.
+
 Recordings (`--record`) hold the tap frames as they arrived, each prefixed by its
 length (4 bytes, big-endian), so `--replay` runs exactly the same decoding again.
 """
@@ -27,6 +30,7 @@ from ._errors import ProtocolError
 from ._protocol import Ack, Bye, Hello, Receive, State, Stop, Tap, Welcome, decode, encode, to_plain
 from ._security import client_from_env
 from ._sockets import connect, resolve_endpoint
+from ._text import printable
 
 __all__ = ["Record", "Sniffer", "Summary", "read_recording", "to_json", "to_line"]
 
@@ -168,15 +172,21 @@ _COLOURS = {
 
 
 def to_line(record: Record, *, colour: bool = False) -> str:
-    """One aligned, human-readable line."""
+    """One aligned, human-readable line, safe for a terminal.
+
+    Peer text (the peer's name, every field shown, a rejection's error) has its control
+    characters escaped, so a host of ``"\\x1b[2J"`` reads as those characters and clears
+    nothing, and a newline in it cannot start a forged line. With `colour` the line is
+    rich markup, and the peer text in it is markup-escaped too.
+    """
     clock = datetime.datetime.fromtimestamp(record.ts).strftime("%H:%M:%S.%f")[:-3]
     arrow = "→" if record.dir == "out" else "←"
     if record.msg is None:
-        detail = f"{record.error} ({record.nbytes} bytes)"
+        detail = f"{printable(record.error)} ({record.nbytes} bytes)"
     else:
         plain = to_json(record)
-        detail = " ".join(f"{k}={plain[k]}" for k in _SHOWN.get(record.type, ()))
-    kind, peer = f"{record.type:<9}", f"{record.peer or '*':<20}"
+        detail = " ".join(f"{k}={printable(plain[k])}" for k in _SHOWN.get(record.type, ()))
+    kind, peer = f"{record.type:<9}", f"{printable(record.peer or '*'):<20}"
     if colour:
         from rich.markup import escape
 
@@ -240,8 +250,8 @@ class Summary:
         text = f"v{version}: {len(v.acks)}/{len(v.expected)} acks"
         if lat:
             text += f", p50 {statistics.median(lat) * 1e3:.2f} ms, max {lat[-1] * 1e3:.2f} ms"
-        if missing:
-            text += f", missing {', '.join(missing)}"
+        if missing:  # worker ids from HELLOs: printable ASCII, but cut and escaped anyway
+            text += f", missing {', '.join(printable(w, limit=128) for w in missing)}"
         return text
 
     def final(self) -> str:

@@ -18,6 +18,7 @@ from typing import Any
 from ._checksum import digest, stored_digest
 from ._layout import Key
 from ._subscriber import Subscriber
+from ._text import printable
 
 __all__ = ["run_worker"]
 
@@ -109,7 +110,7 @@ def run_worker(
         print(json.dumps(summary), flush=True)
     else:
         print(
-            f"worker {summary['worker']}: applied {summary['applied']} versions "
+            f"worker {printable(summary['worker'])}: applied {summary['applied']} versions "
             f"(last {summary['last_version']}), {summary['verified']} verified, "
             f"{len(summary['mismatches'])} mismatches",
             file=sys.stderr,

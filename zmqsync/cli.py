@@ -2,6 +2,13 @@
 
 Expected failures (`ZmqSyncError`) print one line and exit 1; Ctrl-C exits 130. Only
 this module configures logging.
+
+Any local process can be a peer on a bus, so every string a peer sent (a worker id, a
+host, a STOP or ERROR reason, a bus name, a counter name, a tensor key) is shown with its
+control characters escaped (`printable`) and, where rich renders it, as a `Text` object
+or through `rich.markup.escape`, so ``[/bold]`` is printed and never parsed. ``--json``
+output is ASCII-only JSON: control characters and non-ASCII text (a bidi override) come
+out as ``\\uXXXX`` escapes and round-trip exactly through any JSON parser.
 """
 
 from __future__ import annotations
@@ -15,8 +22,15 @@ from typing import Any
 
 from . import _config
 from ._errors import ZmqSyncError
+from ._text import printable
 
 __all__ = ["main"]
+
+# Error and log lines carry the library's own context around peer text: cut them later
+# than a single field.
+_LINE_LIMIT = 4096
+
+_SECURITY_DOC = "docs/security.md"
 
 
 def _address(args: argparse.Namespace) -> str:
@@ -98,11 +112,47 @@ def _wait_for_bus(address: str, timeout: float) -> Any:
                 raise
 
 
+def _access(address: str) -> dict[str, Any]:
+    """Who besides its owner can join the bus at `address`, as far as an inspector can tell.
+
+    A tcp:// bus with CURVE answers only clients with keys, so an answer to an inspector
+    that had none ($ZMQSYNC_CURVE_CLIENT unset) means the bus has no CURVE. On loopback
+    that opens it to every local user: anyone can inspect it, join as a worker and, by
+    never acking, stall every publish until its deadline. An ipc:// bus lives in a
+    runtime dir only its user can enter (0700), so it says nothing there.
+
+    Returns:
+        ``curve``: whether this inspector connected with CURVE keys; ``open_to``:
+        ``"local users"`` (loopback tcp, no CURVE), ``"network"`` (any other tcp, no
+        CURVE: the publisher was started with ``insecure=True``) or None.
+    """
+    from ._security import client_from_env, is_loopback
+
+    curve = client_from_env() is not None
+    open_to: str | None = None
+    if address.startswith("tcp://") and not curve:
+        open_to = "local users" if is_loopback(address) else "network"
+    return {"curve": curve, "open_to": open_to, "see": _SECURITY_DOC}
+
+
+def _access_warning(address: str, access: dict[str, Any]) -> str | None:
+    """One line for the human output, or None when nothing is open."""
+    who = {"local users": "any local user", "network": "any host that can reach it"}
+    if access["open_to"] not in who:
+        return None
+    return (
+        f"warning: {printable(address)} has no CURVE: {who[access['open_to']]} can join this "
+        "bus (inspect it, join as a worker, stall publishes by never acking); "
+        f"see {_SECURITY_DOC} to require keys"
+    )
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     from ._protocol import to_plain
     from .relay import inspect_relays, print_relays
 
     reply = _inspect(_address(args), args.timeout)
+    access = _access(_address(args))
     relays = inspect_relays(_address(args), min(args.timeout, 1.0))  # None: no relay root
     if args.json:
         plain = to_plain(reply)
@@ -110,35 +160,67 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             buf.pop("handle")  # IPC handle bytes are for subscribers, not for screens
         if relays is not None:
             plain["relays"] = relays
-        print(json.dumps(plain, indent=2))
+        plain["access"] = access
+        # ASCII only: control characters and non-ASCII peer text (a bidi override)
+        # become \uXXXX escapes, exact for a parser and inert on a terminal.
+        print(json.dumps(plain, indent=2, ensure_ascii=True))
     else:
-        _print_state(reply)
+        _print_state(reply, _access_warning(_address(args), access))
         if relays is not None:
-            print_relays(relays)
+            # relay ids, hosts and worker ids come from peers too; print_relays renders
+            # its cells as markup, so it gets a copy made safe for that
+            print_relays(_markup_safe(relays))
     return 0
 
 
-def _print_state(state: Any) -> None:
+def _markup_safe(value: Any) -> Any:
+    """`value` with every string escaped for a terminal and for rich markup (display only)."""
+    from rich.markup import escape
+
+    if isinstance(value, str):
+        return escape(printable(value))
+    if isinstance(value, dict):
+        return {k: _markup_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_markup_safe(v) for v in value]
+    return value
+
+
+def _print_state(state: Any, warning: str | None = None) -> None:
+    """The STATE as tables. Every string in it came from a peer: each is escaped
+    (`printable`) and handed to rich as `Text`, which rich never parses for markup or
+    emoji codes."""
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
+
+    def cell(value: object) -> Text:
+        return Text(printable(value))
 
     console = Console()
     console.print(
-        f"[bold]bus[/bold] {state.name!r} id {state.bus} pid {state.pid}  "
-        f"version {state.version}  seq {state.seq}  slots {list(state.slot_versions)}  "
-        f"heartbeat {state.heartbeat} s"
+        Text.assemble(
+            ("bus", "bold"),
+            f" {printable(repr(state.name))} id {printable(state.bus)} pid {state.pid}  "
+            f"version {state.version}  seq {state.seq}  slots {list(state.slot_versions)}  "
+            f"heartbeat {state.heartbeat} s",
+        )
     )
+    if warning is not None:
+        console.print(Text(warning, style="bold yellow"), soft_wrap=True)
     buffers = Table(title="buffers")
     for col in ("kind", "device", "segment", "bytes"):
         buffers.add_column(col)
     for b in state.buffers:
-        buffers.add_row(b.kind, b.device, b.segment, f"{b.size:,}")
+        buffers.add_row(cell(b.kind), cell(b.device), cell(b.segment), f"{b.size:,}")
     console.print(buffers)
     manifest = Table(title=f"manifest ({len(state.manifest)} tensors)")
     for col in ("name", "dtype", "shape", "bytes", "offset"):
         manifest.add_column(col)
     for s in state.manifest[:200]:
-        manifest.add_row(s.name, s.dtype, str(list(s.shape)), f"{s.nbytes:,}", str(s.offset))
+        manifest.add_row(
+            cell(s.name), cell(s.dtype), str(list(s.shape)), f"{s.nbytes:,}", str(s.offset)
+        )
     console.print(manifest)
     workers = Table(title=f"workers ({len(state.workers)})")
     for col in ("worker", "pid", "host", "mode", "transport", "version", "lag", "last seen"):
@@ -146,32 +228,33 @@ def _print_state(state: Any) -> None:
     for w in state.workers:
         lag = state.version - w.version if w.version >= 0 else "-"
         workers.add_row(
-            w.worker_id,
+            cell(w.worker_id),
             str(w.pid),
-            w.host,
-            w.mode,
+            cell(w.host),
+            cell(w.mode),
             # why a worker reads the CPU copy of CUDA weights, when it does
-            f"{w.transport} ({w.transport_note})" if w.transport_note else w.transport,
+            cell(f"{w.transport} ({w.transport_note})" if w.transport_note else w.transport),
             str(w.version),
             str(lag),
             f"{w.last_seen:.2f} s ago",
         )
     console.print(workers)
-    console.print(
-        "counters: " + (", ".join(f"{k}={v}" for k, v in sorted(state.counters.items())) or "-")
-    )
+    counters = ", ".join(f"{printable(k)}={v}" for k, v in sorted(state.counters.items()))
+    console.print(Text(f"counters: {counters or '-'}"))
 
 
 def cmd_sniff(args: argparse.Namespace) -> int:
     import contextlib
 
     from rich.console import Console
+    from rich.markup import escape
 
     from ._deadline import Deadline
     from ._sniff import Sniffer, Summary, read_recording, to_json, to_line, write_record
 
-    out = Console(highlight=False, soft_wrap=True)
-    err = Console(stderr=True, highlight=False, soft_wrap=True)
+    # emoji off: ":thumbs_up:" in a worker id is shown as typed (to_line escapes markup)
+    out = Console(highlight=False, soft_wrap=True, emoji=False)
+    err = Console(stderr=True, highlight=False, soft_wrap=True, emoji=False)
     with contextlib.ExitStack() as stack:
         if args.replay:
             records = read_recording(stack.enter_context(open(args.replay, "rb")))
@@ -200,12 +283,12 @@ def cmd_sniff(args: argparse.Namespace) -> int:
                 continue
             if args.worker and record.peer not in args.worker:
                 continue
-            if args.json:
-                print(json.dumps(to_json(record)), flush=True)
+            if args.json:  # ASCII-only JSON, as for inspect --json
+                print(json.dumps(to_json(record), ensure_ascii=True), flush=True)
             else:
                 out.print(to_line(record, colour=True))
-                if done:
-                    out.print(f"[bold]  {done}[/]")
+                if done:  # names the missing workers: peer text
+                    out.print(f"[bold]  {escape(printable(done, limit=_LINE_LIMIT))}[/]")
             shown += 1
             if args.count and shown >= args.count:
                 break
@@ -306,13 +389,31 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _PrintableFormatter(logging.Formatter):
+    """Log lines whose message is escaped with `printable`.
+
+    The library logs peer text (a STOP reason, a worker's host, a fallback reason from
+    a WELCOME); on a terminal that text must not move the cursor or, with a newline,
+    forge a log line of its own. Only the message is escaped: a traceback below it
+    keeps its lines.
+    """
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        record.message = printable(record.message, limit=_LINE_LIMIT)
+        return super().formatMessage(record)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    handler = logging.StreamHandler()
+    handler.setFormatter(_PrintableFormatter("%(asctime)s %(name)s %(message)s"))
+    logging.basicConfig(level=args.log_level.upper(), handlers=[handler])
     try:
         return int(args.func(args))
     except (ZmqSyncError, TimeoutError, ValueError, OSError) as exc:
-        print(f"zmqsync {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        # a ProtocolError quotes what the peer said ("... refused us: <reason>")
+        reason = printable(exc, limit=_LINE_LIMIT)
+        print(f"zmqsync {args.command}: {type(exc).__name__}: {reason}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
