@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import ast
 import copy
+import dataclasses
 import math
 import os
 import pickle
+import random
+import time
 from pathlib import Path
 from typing import Any
 
@@ -698,6 +701,161 @@ def test_wrong_buffer_is_refused(changes: dict[str, Any]) -> None:
     raw = plain(WELCOME)
     raw["buffers"][0].update(changes)
     refused(pack(raw))
+
+
+# --- where tensors may sit: what a WELCOME may ask a subscriber to allocate ---------------
+
+
+def welcome_bytes(
+    manifest: list[TensorSpec], slot_bytes: int = SLOT_BYTES, slots: int = 2
+) -> bytes:
+    """WELCOME (two buffers: the CPU segment and one GPU) listing `manifest`, packed
+    without our constructor's checks, as a peer could send it."""
+    raw = plain(WELCOME)
+    raw["manifest"] = [protocol.to_plain(s) for s in manifest]
+    raw.update(slot_bytes=slot_bytes, slots=slots, slot=0)
+    for buffer in raw["buffers"]:
+        buffer["size"] = buffer["header_bytes"] + slots * slot_bytes
+    return pack(raw)
+
+
+def accepted(manifest: list[TensorSpec], **sizes: int) -> Welcome:
+    msg = decode(welcome_bytes(manifest, **sizes))
+    assert isinstance(msg, Welcome) and msg.manifest == tuple(manifest)
+    assert own_welcome(manifest, **sizes) == msg
+    return msg
+
+
+def refused_placement(manifest: list[TensorSpec], **sizes: int) -> str:
+    """The message of the ProtocolError `decode` raises; our own constructor refuses the
+    same manifest with a ValueError saying the same (a publisher never builds one)."""
+    message = str(refused(welcome_bytes(manifest, **sizes)))
+    with pytest.raises(ValueError) as info:
+        own_welcome(manifest, **sizes)
+    assert message == f"welcome: {info.value}"
+    return message
+
+
+def own_welcome(
+    manifest: list[TensorSpec], slot_bytes: int = SLOT_BYTES, slots: int = 2
+) -> Welcome:
+    """What `welcome_bytes` packs, built with our constructor (and its checks)."""
+    buffers = tuple(
+        dataclasses.replace(b, size=b.header_bytes + slots * slot_bytes) for b in BUFFERS
+    )
+    return dataclasses.replace(
+        WELCOME,
+        slot=0,
+        slots=slots,
+        slot_bytes=slot_bytes,
+        buffers=buffers,
+        manifest=tuple(manifest),
+    )
+
+
+def test_adjacent_tensors_are_accepted_and_one_byte_more_overlaps() -> None:
+    a, b = spec(("a",), "float32", (256,), 0), spec(("b",), "float32", (4,), 1024)
+    accepted([a, b])
+    accepted([b, a])  # any order
+    wide = spec(("a",), "uint8", (1025,), 0)  # ends one byte into b
+    message = refused_placement([wide, b])
+    assert "a (bytes 0 to 1025) and b (bytes 1024 to 1040) overlap in buffer 0" in message
+    assert message.startswith("welcome: ")
+    assert "overlap in buffer 0" in refused_placement([b, wide])
+
+
+@pytest.mark.parametrize(
+    "offsets",
+    [
+        (0, 0),  # the same bytes twice
+        (0, 256),  # b starts inside a
+        (256, 0),  # listed after the tensor it overlaps
+        (0, 768, 1024),  # b inside a, c past both
+    ],
+    ids=repr,
+)
+def test_overlapping_tensors_of_one_buffer_are_refused(offsets: tuple[int, ...]) -> None:
+    manifest = [spec((f"t{i}",), "float32", (256,), at) for i, at in enumerate(offsets)]
+    assert "overlap in buffer 0" in refused_placement(manifest)
+
+
+def test_buffers_are_independent_but_each_one_is_checked() -> None:
+    # The CPU segment and a GPU buffer each have their own slots: the same offsets in
+    # two buffers are two places. Inside the GPU buffer the same rule holds.
+    cpu = spec(("cpu",), "float32", (256,), 0, buffer=0)
+    gpu = spec(("gpu",), "float32", (256,), 0, buffer=1)
+    accepted([cpu, gpu])
+    assert "overlap in buffer 0" in refused_placement([cpu, dataclasses.replace(gpu, buffer=0)])
+    other = spec(("gpu2",), "float32", (4,), 512, buffer=1)
+    assert "gpu (bytes 0 to 1024) and gpu2" in refused_placement([cpu, gpu, other])
+    assert "overlap in buffer 1" in refused_placement([cpu, gpu, other])
+
+
+def test_all_tensors_together_fit_in_one_slot() -> None:
+    # No overlap in either buffer, but a subscriber reading the CPU copy finds both
+    # tensors in the CPU slot, and one without a model allocates both.
+    cpu = spec(("cpu",), "float32", (1536,), 0, buffer=0)  # 6144 bytes
+    fits = spec(("gpu",), "float32", (512,), 0, buffer=1)  # 2048: 8192 in all
+    accepted([cpu, fits])
+    too_much = spec(("gpu",), "float32", (513,), 0, buffer=1)
+    message = refused_placement([cpu, too_much])
+    assert f"the tensors add up to 8196 bytes, more than one slot ({SLOT_BYTES} bytes)" in message
+
+
+def test_empty_tensors_may_sit_anywhere_in_the_slot() -> None:
+    a = spec(("a",), "float32", (256,), 0)
+    empties = [
+        spec(("e0",), "float32", (0,), 0),  # where a starts
+        spec(("e1",), "float16", (0, 3), 512),  # inside a
+        spec(("e2",), "int64", (4, 0), 512),  # twice at the same place
+        spec(("e3",), "float32", (0,), SLOT_BYTES),  # at the very end
+    ]
+    accepted([a, *empties])
+    accepted([*empties, a])
+    assert "overlap" in refused_placement([a, spec(("e1",), "float16", (1,), 512)])
+    assert "past the slot" in refused_placement([spec(("e",), "float32", (0,), SLOT_BYTES + 256)])
+
+
+def test_overlaps_are_found_in_a_shuffled_manifest_of_many_tensors() -> None:
+    n = 1_000
+    manifest = [spec((f"t{i}",), "float32", (64,), 256 * i) for i in range(n)]
+    random.Random(7).shuffle(manifest)
+    accepted(manifest, slot_bytes=256 * n)
+    late = spec(("late",), "float32", (128,), 256 * 500)  # covers t500 and t501
+    manifest.insert(123, late)
+    message = refused_placement(manifest, slot_bytes=256 * n)
+    assert "late" in message and "t500" in message and "overlap in buffer 0" in message
+
+
+def test_a_big_legitimate_manifest_decodes_in_time() -> None:
+    # 20,000 small tensors (a mixture-of-experts model's count), laid out as the
+    # publisher lays them out: one pass. Shuffled, the check sorts: still far from the
+    # ~0.5 s the decode of the message itself takes here.
+    n = 20_000
+    manifest = [spec((f"e{i}",), "float32", (4,), 256 * i) for i in range(n)]
+    started = time.perf_counter()
+    msg = accepted(manifest, slot_bytes=256 * n)
+    assert decode(encode(msg)) == msg
+    decoded_s = time.perf_counter() - started
+    shuffled = tuple(random.Random(1).sample(manifest, n))
+    started = time.perf_counter()
+    protocol._check_placement(shuffled, 2, 256 * n)
+    assert time.perf_counter() - started < max(1.0, decoded_s), "the check is not O(n log n)"
+
+
+def test_the_tensor_view_budget_is_a_receivers_check() -> None:
+    # A subscriber builds a view of every tensor in every slot. Empty tensors take no
+    # room, so only a budget bounds them; a publisher that builds such a WELCOME is
+    # consistent (its handshake thread must not fail), and the subscriber refuses it.
+    budget = protocol.MAX_SLOT_VIEWS
+    slots, count = 64, budget // 64
+    empties = [spec((f"e{i}",), "float32", (0,), 0) for i in range(count + 1)]
+    accepted(empties[:count], slots=slots)
+    message = str(refused(welcome_bytes(empties, slots=slots)))
+    assert f"64 slots x {count + 1} tensors = {slots * (count + 1)} tensor views" in message
+    assert f"more than {budget}" in message and "fewer slots" in message
+    own = own_welcome(empties, slots=slots)  # a publisher builds it without complaint
+    assert len(own.manifest) == count + 1
 
 
 @pytest.mark.parametrize("worker_id", ["", "a b", "a\n", "é", "x" * 129, "\x7f", "tab\there"])

@@ -21,6 +21,7 @@ import math
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
+from itertools import pairwise
 from typing import Any, ClassVar, Protocol, TypeAlias
 
 import msgpack
@@ -58,6 +59,10 @@ PROTO = 1
 ALIGN = 256  # every tensor starts at a multiple of this inside a slot
 MAX_MESSAGE = 16 * 1024 * 1024
 MAX_TENSORS = 100_000
+# Tensor views a subscriber builds when it adopts a WELCOME: one per tensor per slot, at
+# ~0.7 KB and 2-7 us each. The largest manifest in the default two slots fits; a WELCOME
+# of 100,000 empty tensors in 64 slots (4.9 GB, 45 s) does not.
+MAX_SLOT_VIEWS = 2 * MAX_TENSORS
 MAX_SLOTS = 64
 MAX_BYTES = 1 << 48  # 256 TiB: far above any model, far below int64 overflow
 MAX_NDIM = 16
@@ -419,11 +424,58 @@ class Welcome:
         for buf in self.buffers:
             if buf.header_bytes + self.slots * self.slot_bytes > buf.size:
                 raise ValueError(f"segment {buf.segment}: slots exceed its size")
-        for spec in self.manifest:
-            if spec.buffer >= len(self.buffers):
-                raise ValueError(f"{spec.name}: buffer index {spec.buffer} out of range")
-            if spec.offset + spec.nbytes > self.slot_bytes:
-                raise ValueError(f"{spec.name}: offset + nbytes past the slot")
+        _check_placement(self.manifest, len(self.buffers), self.slot_bytes)
+
+
+def _check_placement(manifest: tuple[TensorSpec, ...], buffers: int, slot_bytes: int) -> None:
+    """Every tensor inside the slot, none overlapping another of its buffer, and all of
+    them together no bigger than one slot.
+
+    This bounds what a WELCOME can make a subscriber allocate by what the publisher
+    reserved (the segment's size, checked against the file when it is mapped): a
+    copy-mode subscriber without a model allocates every tensor, and one reading the CPU
+    copy of CUDA weights finds them all in the CPU slot. Without it, 200 overlapping
+    entries of 64 MiB in a 64 MiB slot asked a subscriber for 12.5 GiB. A publisher's
+    own layout has its offsets growing in manifest order, and is checked in one pass;
+    any other order costs a sort. Empty tensors hold no bytes and may sit anywhere.
+
+    Raises:
+        ValueError: the first rule broken (decode turns it into ProtocolError).
+    """
+    total, ordered = 0, True
+    ends = [0] * buffers  # per buffer: where its last tensor, in manifest order, ended
+    for spec in manifest:
+        if spec.buffer >= buffers:
+            raise ValueError(f"{spec.name}: buffer index {spec.buffer} out of range")
+        end = spec.offset + spec.nbytes
+        if end > slot_bytes:
+            raise ValueError(f"{spec.name}: offset + nbytes past the slot")
+        if spec.nbytes:
+            total += spec.nbytes
+            ordered = ordered and spec.offset >= ends[spec.buffer]
+            ends[spec.buffer] = end
+    if not ordered:
+        _refuse_overlaps(manifest)
+    if total > slot_bytes:
+        raise ValueError(
+            f"the tensors add up to {total} bytes, more than one slot ({slot_bytes} bytes)"
+        )
+
+
+def _refuse_overlaps(manifest: tuple[TensorSpec, ...]) -> None:
+    """ValueError naming two tensors of one buffer whose bytes overlap, if there are any."""
+    runs = sorted(
+        (spec.buffer, spec.offset, spec.offset + spec.nbytes, i)
+        for i, spec in enumerate(manifest)
+        if spec.nbytes
+    )
+    for (buffer, start, end, i), (next_buffer, next_start, next_end, j) in pairwise(runs):
+        if buffer == next_buffer and next_start < end:
+            raise ValueError(
+                f"{manifest[i].name} (bytes {start} to {end}) and {manifest[j].name} "
+                f"(bytes {next_start} to {next_end}) overlap in buffer {buffer}; a "
+                "publisher places each tensor of a buffer after the previous one"
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -733,6 +785,23 @@ def template(cls: type[Message], **fixed: Any) -> Callable[..., bytes]:
     return frame
 
 
+def _build_message(cls: type[Any], raw: dict[Any, Any], kind: str) -> Message:
+    """`cls` from `raw` by the field checks, then what a receiver will spend on it.
+
+    The view budget is checked here, not in `Welcome.__post_init__`: a publisher that
+    builds such a WELCOME is consistent, just more than a subscriber will adopt, and a
+    ValueError there would stop the publisher's handshake thread instead.
+    """
+    msg: Message = _build(cls, raw, kind, skip=("proto", "type"))
+    if isinstance(msg, Welcome) and msg.slots * len(msg.manifest) > MAX_SLOT_VIEWS:
+        raise ProtocolError(
+            f"{kind}: {msg.slots} slots x {len(msg.manifest)} tensors = "
+            f"{msg.slots * len(msg.manifest)} tensor views for a subscriber to build, more "
+            f"than {MAX_SLOT_VIEWS}; a publisher of that many tensors must use fewer slots"
+        )
+    return msg
+
+
 def decode(data: bytes, *, bus: str | None = None) -> Message:
     """Turn bytes from a socket into a message. Never unpickles.
 
@@ -764,8 +833,8 @@ def decode(data: bytes, *, bus: str | None = None) -> Message:
     if cls is None:
         raise ProtocolError(f"unknown message type {_show(kind, 40)!r}")
     fast = _FAST.get(cls)
-    msg: Message = (fast is not None and _build_fast(cls, raw, fast)) or _build(
-        cls, raw, str(kind), skip=("proto", "type")
+    msg: Message = (fast is not None and _build_fast(cls, raw, fast)) or _build_message(
+        cls, raw, str(kind)
     )
     if (
         bus is not None

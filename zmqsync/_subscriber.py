@@ -129,6 +129,10 @@ class Subscriber:
         shm_dir: where the publisher's segments are (default $ZMQSYNC_SHM_DIR or /dev/shm).
         curve: this worker's CURVE keys and the publisher's public key, for a publisher
             that requires CURVE (see docs/security.md).
+        publisher_uid: the uid the publisher's segments must belong to. None: the owner
+            of an ipc:// control socket, else this process's uid. Set it for a tcp:// bus
+            whose publisher runs as another uid of a shared group (see ``group=``): a
+            segment another user owns could be truncated under the mapping (SIGBUS).
     """
 
     def __init__(
@@ -145,6 +149,7 @@ class Subscriber:
         on_update: Callable[[int], None] | None = None,
         shm_dir: str | None = None,
         curve: CurveClient | None = None,
+        publisher_uid: int | None = None,
     ) -> None:
         if mode not in ("copy", "alias"):
             raise ValueError(f'mode must be "copy" or "alias", not {mode!r}')
@@ -161,6 +166,7 @@ class Subscriber:
         self._timeout = timeout
         self._on_update = on_update
         self._shm_dir = _config.shm_dir(shm_dir)
+        self._publisher_uid = publisher_uid
         self._pid = os.getpid()
         curve = curve if curve is not None else client_from_env()
         self._secure = curve.apply if curve is not None else None
@@ -485,7 +491,12 @@ class Subscriber:
         if any(b.kind != "cuda" for b in welcome.buffers[1:]):
             raise ProtocolError("only the first buffer may be a cpu segment")
         attachment = CpuAttachment.attach(
-            info, slots=welcome.slots, slot_bytes=welcome.slot_bytes, shm_dir=self._shm_dir
+            info,
+            slots=welcome.slots,
+            slot_bytes=welcome.slot_bytes,
+            shm_dir=self._shm_dir,
+            owner=self._publisher_uid,
+            control=self.address,
         )
         gpus: dict[int, CudaAttachment] = {}
         try:

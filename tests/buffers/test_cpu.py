@@ -10,9 +10,11 @@ from __future__ import annotations
 import dataclasses
 import errno
 import gc
+import mmap
 import os
 import shutil
 import signal
+import socket
 import stat
 import subprocess
 import threading
@@ -24,7 +26,7 @@ import torch
 import zmqsync
 from zmqsync._buffers import CpuAttachment, CpuSegment, collect_garbage, segment_name
 from zmqsync._buffers.cpu import map_os_errors
-from zmqsync._buffers.header import HEADER_BYTES
+from zmqsync._buffers.header import HEADER_BYTES, Header
 from zmqsync._protocol import BufferInfo
 
 PAGE = 4096
@@ -280,6 +282,124 @@ def test_attach_refuses_segment_names_that_are_not_plain(shm, segment):
         CpuAttachment.attach(
             _info(segment, HEADER_BYTES + PAGE), slots=1, slot_bytes=PAGE, shm_dir=shm
         )
+
+
+# --- attach maps only the publisher's own, fully reserved file --------------------------
+
+OTHER_UID = 65534  # nobody
+needs_root = pytest.mark.skipif(
+    os.getuid() != 0, reason="needs root to make files owned by another uid (chown)"
+)
+
+
+def _fake_segment(shm: str, name: str, *, slots: int, reserved: int) -> str:
+    """A segment file with a valid header whose first `reserved` bytes are allocated;
+    the rest of its size is a hole (ftruncate)."""
+    path = os.path.join(shm, name)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, HEADER_BYTES + slots * PAGE)
+        os.posix_fallocate(fd, 0, reserved)
+        with mmap.mmap(fd, HEADER_BYTES) as mm:
+            words = memoryview(mm).cast("Q")
+            Header.initialise(words, slots, PAGE)
+            words.release()
+    finally:
+        os.close(fd)
+    return path
+
+
+@pytest.mark.parametrize("reserved", [HEADER_BYTES, HEADER_BYTES + PAGE], ids=["1-of-3", "2-of-3"])
+def test_attach_refuses_a_sparse_segment(shm, reserved):
+    # ftruncate makes a file of any size without memory behind it: it passes the size
+    # check, and what the subscriber then allocates for its tensors is its own.
+    path = _fake_segment(shm, "zmqsync-sparse", slots=2, reserved=reserved)
+    try:
+        with pytest.raises(zmqsync.ProtocolError) as info:
+            CpuAttachment.attach(
+                _info("zmqsync-sparse", HEADER_BYTES + 2 * PAGE),
+                slots=2,
+                slot_bytes=PAGE,
+                shm_dir=shm,
+            )
+        message = str(info.value)
+        assert (
+            f"segment {path} is sparse: {reserved} of its {HEADER_BYTES + 2 * PAGE} bytes"
+            in message
+        )
+        assert "posix_fallocate" in message and "tmpfs" in message
+    finally:
+        os.unlink(path)
+
+
+def test_attach_accepts_a_segment_once_every_byte_is_reserved(shm):
+    path = _fake_segment(shm, "zmqsync-full", slots=2, reserved=HEADER_BYTES + 2 * PAGE)
+    try:
+        att = CpuAttachment.attach(
+            _info("zmqsync-full", HEADER_BYTES + 2 * PAGE), slots=2, slot_bytes=PAGE, shm_dir=shm
+        )
+        att.close()
+    finally:
+        os.unlink(path)
+
+
+@needs_root
+def test_attach_refuses_a_segment_of_another_uid(shm, seg_name):
+    # Its owner could truncate it under the mapping: SIGBUS on the subscriber's next read.
+    with CpuSegment(shm, seg_name, slots=1, slot_bytes=PAGE) as seg:
+        os.chown(seg.path, OTHER_UID, OTHER_UID)
+        with pytest.raises(zmqsync.ProtocolError) as info:
+            _attach(seg, shm, slots=1)
+        message = str(info.value)
+        assert f"segment {seg.path} is owned by uid {OTHER_UID}" in message
+        assert f"expected uid {os.getuid()} (this process's uid)" in message
+        assert f"Subscriber(publisher_uid={OTHER_UID})" in message
+        described = seg.describe()
+        att = CpuAttachment.attach(
+            described, slots=1, slot_bytes=PAGE, shm_dir=shm, owner=OTHER_UID
+        )
+        att.close()  # the uid a user names is the one expected
+        with pytest.raises(zmqsync.ProtocolError, match="expected uid 4242 \\(the publisher_uid"):
+            CpuAttachment.attach(described, slots=1, slot_bytes=PAGE, shm_dir=shm, owner=4242)
+
+
+@needs_root
+def test_attach_expects_the_owner_of_an_ipc_control_socket(shm, seg_name, bus_dirs):
+    # A runtime dir shared with one group (group=): the socket's owner is the publisher.
+    runtime, _ = bus_dirs
+    sock_path = str(runtime / "bus.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        listener.bind(sock_path)
+        os.chown(sock_path, OTHER_UID, -1)
+        control = f"ipc://{sock_path}"
+        with CpuSegment(shm, seg_name, slots=1, slot_bytes=PAGE) as seg:
+            info = seg.describe()
+            with pytest.raises(zmqsync.ProtocolError) as refused:
+                CpuAttachment.attach(info, slots=1, slot_bytes=PAGE, shm_dir=shm, control=control)
+            assert f"owned by uid {os.getuid()}, expected uid {OTHER_UID}" in str(refused.value)
+            assert f"(the owner of the control socket {sock_path})" in str(refused.value)
+            os.chown(seg.path, OTHER_UID, -1)
+            att = CpuAttachment.attach(info, slots=1, slot_bytes=PAGE, shm_dir=shm, control=control)
+            att.close()
+            # tcp (nothing names the publisher) or a socket gone with its publisher: ours
+            for other in ("tcp://127.0.0.1:5555", f"ipc://{runtime}/gone.sock"):
+                with pytest.raises(zmqsync.ProtocolError, match="this process's uid"):
+                    CpuAttachment.attach(info, slots=1, slot_bytes=PAGE, shm_dir=shm, control=other)
+    finally:
+        listener.close()
+
+
+@pytest.mark.parametrize("mode", [0o660, 0o602, 0o666], ids=lambda mode: f"{mode:o}")
+def test_attach_refuses_a_segment_others_may_write(shm, seg_name, mode):
+    # Anyone who may write it may truncate it. A publisher's segments are 0600, or 0640
+    # with group= (readable, never writable, by the group).
+    with CpuSegment(shm, seg_name, slots=1, slot_bytes=PAGE) as seg:
+        os.chmod(seg.path, mode)
+        with pytest.raises(zmqsync.ProtocolError, match=f"writable by others \\(mode {mode:o}\\)"):
+            _attach(seg, shm, slots=1)
+        os.chmod(seg.path, 0o640)
+        _attach(seg, shm, slots=1).close()
 
 
 # --- the header seqlock across two mappings ---------------------------------------------

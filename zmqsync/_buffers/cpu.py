@@ -8,6 +8,11 @@
 * Subscribers open without create, refuse symlinks and anything but a regular file of
   the announced size, and map read-only: a worker that writes into aliased weights
   faults in that worker instead of corrupting everyone's.
+* Subscribers map only what they checked on the opened descriptor: a file of the
+  publisher's uid (their own, the control socket's owner, or the one configured), that
+  no one else may write, whose bytes are all reserved. Whoever can truncate a mapped
+  file kills the mapping process with SIGBUS on its next read, and a sparse file passes
+  a size check with memory nobody reserved.
 * A mapping is never closed while a tensor view of it is alive. ``torch.frombuffer``
   keeps a reference to the mmap object but no buffer export, so ``mmap.close()`` would
   unmap under live views (a segfault on next use). We therefore never call it: we drop
@@ -158,7 +163,25 @@ class CpuAttachment(AttachedBuffer):
     def attach(
         cls, info: BufferInfo, *, slots: int, slot_bytes: int, **options: Any
     ) -> CpuAttachment:
+        """Map the segment `info` names, read-only, after checking the opened file.
+
+        Args:
+            info: the segment as WELCOME describes it.
+            slots, slot_bytes: the slots WELCOME announces in it.
+            **options: ``shm_dir`` (required): where segments live. ``owner``: the uid
+                the file must belong to (None: see ``control``). ``control``: the bus's
+                control address; for ``ipc://`` the socket file's owner is the
+                publisher's uid, else it is this process's.
+
+        Raises:
+            ProtocolError: the file is not one the publisher made for this WELCOME (a
+                symlink, not a regular file, another owner, writable by others, smaller
+                than announced, sparse, no valid header).
+            BufferUnavailable: it cannot be opened here (another shm dir, no access).
+        """
         directory = options["shm_dir"]
+        control = options.get("control") or ""
+        owner = _expected_owner(options.get("owner"), control)
         if "/" in info.segment or info.segment in (".", ".."):
             raise ProtocolError(f"segment name {info.segment!r} is not a plain file name")
         path = os.path.join(directory, info.segment)
@@ -174,12 +197,21 @@ class CpuAttachment(AttachedBuffer):
                 "ZMQSYNC_SHM_DIR) and, in containers, share it (ipc: or a volume)"
             ) from exc
         try:
-            st = os.fstat(fd)
+            st = os.fstat(fd)  # the file we map, not whatever the name points to later
             if not stat.S_ISREG(st.st_mode):
                 raise ProtocolError(f"segment {path} is not a regular file")
+            _check_owner(path, st, owner, control)
             if st.st_size < info.size or info.size < HEADER_BYTES + slots * slot_bytes:
                 raise ProtocolError(
                     f"segment {path} holds {st.st_size} bytes, WELCOME announced {info.size}"
+                )
+            if st.st_blocks * 512 < info.size:
+                raise ProtocolError(
+                    f"segment {path} is sparse: {st.st_blocks * 512} of its {info.size} "
+                    "bytes are reserved. A zmqsync publisher reserves every byte "
+                    "(posix_fallocate), so another program made this file, or the shm dir "
+                    "is not on a tmpfs that reserves them; check what answers at the "
+                    "address, and keep segments on a tmpfs (shm_dir= or ZMQSYNC_SHM_DIR)"
                 )
             fcntl.flock(fd, fcntl.LOCK_SH)
             mm = mmap.mmap(fd, info.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
@@ -204,6 +236,45 @@ class CpuAttachment(AttachedBuffer):
         self.header.release()
         self._flat = None
         self._mm = None  # unmapped (and unlocked) when the last tensor view dies
+
+
+def _expected_owner(owner: int | None, control: str) -> tuple[int, str]:
+    """The uid a segment must belong to, and where that expectation comes from.
+
+    An ipc:// control socket lives in a runtime dir that is private, or shared with one
+    group on purpose (``group=``): whoever owns the socket is the publisher. Over tcp://
+    nothing names the publisher's uid, so it must be ours unless the user says otherwise.
+    """
+    if owner is not None:
+        return owner, "the publisher_uid configured"
+    if control.startswith("ipc://"):
+        socket_path = control[len("ipc://") :]
+        try:
+            return os.stat(socket_path).st_uid, f"the owner of the control socket {socket_path}"
+        except OSError:  # gone (its publisher with it), or an abstract socket: no file
+            pass
+    return os.getuid(), "this process's uid"
+
+
+def _check_owner(path: str, st: os.stat_result, owner: tuple[int, str], control: str) -> None:
+    """ProtocolError unless the segment is the publisher's and only it may change it."""
+    uid, why = owner
+    if st.st_uid != uid:
+        where = f" at {control}" if control else ""
+        raise ProtocolError(
+            f"segment {path} is owned by uid {st.st_uid}, expected uid {uid} ({why}); "
+            "a file of another user could be truncated under the mapping. If the "
+            f"publisher{where} runs as uid {st.st_uid} on purpose (containers sharing a "
+            f"group), pass Subscriber(publisher_uid={st.st_uid}); otherwise another "
+            "program answers at that address"
+        )
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise ProtocolError(
+            f"segment {path} is writable by others (mode {stat.S_IMODE(st.st_mode):o}): "
+            "anyone who may write it could truncate it under the mapping. A zmqsync "
+            "publisher makes segments 0600 (0640 with group=); check what answers at the "
+            "address"
+        )
 
 
 def collect_garbage(directory: str) -> list[str]:
