@@ -14,7 +14,20 @@ import tempfile
 
 __all__ = [
     "ACK_DRAIN_MAX",
+    "CONTROL_MAX_BYTES",
+    "CONTROL_RCVHWM",
+    "CONTROL_CONNECTIONS",
+    "DRAIN_BYTES",
+    "DRAIN_MAX",
+    "DRAIN_S",
+    "EVENT_MAX_BYTES",
+    "FD_RESERVE_MIN",
+    "HANDSHAKE_IVL_S",
     "SERVICE_S",
+    "SUBSCRIPTION_MAX_BYTES",
+    "SUBSCRIPTION_RCVHWM",
+    "WORKER_MAX_BYTES",
+    "WORKER_RCVHWM",
     "DEFAULT_SHM_DIR",
     "HANDSHAKE_ATTEMPTS",
     "LOST_AFTER_BEATS",
@@ -29,9 +42,32 @@ __all__ = [
 DEFAULT_SHM_DIR = "/dev/shm"
 HANDSHAKE_ATTEMPTS = 3  # Lazy Pirate: fresh REQ socket per attempt
 LOST_AFTER_BEATS = 6  # a peer silent for this many heartbeat intervals is lost
-MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # MAXMSGSIZE on every bound socket
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # the largest message of all: a WELCOME or a STATE
 SERVICE_S = 0.01  # how often the publisher's agent drains acks nobody is waiting for
-ACK_DRAIN_MAX = 1024  # messages handled per wake-up, so one flood cannot starve the rest
+
+# What a peer may make the publisher hold, socket by socket. Inbound control traffic is
+# tiny, so each bound socket accepts frames only as large as its messages can be (libzmq
+# drops a peer that sends a larger one: MAXMSGSIZE) and queues only a few per connection
+# (RCVHWM, in messages: bytes = HWM x the frame limit). A drain handles at most
+# DRAIN_MAX messages, DRAIN_BYTES bytes and DRAIN_S seconds of one socket per wake-up, so
+# a flood on one socket cannot starve the others or the heartbeats.
+CONTROL_MAX_BYTES = 8 * 1024  # HELLO or INSPECT: ids, host name, a note (~2.3 KiB at most)
+CONTROL_RCVHWM = 16
+WORKER_MAX_BYTES = 1024  # ACK, HEARTBEAT or BYE (~250 bytes at most)
+WORKER_RCVHWM = 256
+# The protocol's one subscription is to everything (no prefix): a 1-byte frame, or the
+# 10-byte SUBSCRIBE command of ZMTP 3.1. The limit also applies to the handshake's own
+# commands, and CURVE's INITIATE is ~300 bytes.
+SUBSCRIPTION_MAX_BYTES = 512
+SUBSCRIPTION_RCVHWM = 16
+EVENT_MAX_BYTES = 4 * 1024  # RECEIVE, STOP or HEARTBEAT, as a subscriber gets them
+DRAIN_MAX = 1024
+DRAIN_BYTES = 1024 * 1024
+DRAIN_S = 0.002
+ACK_DRAIN_MAX = DRAIN_MAX  # the relay's drains
+HANDSHAKE_IVL_S = 5.0  # a connection that has not finished the ZMTP handshake by then is dropped
+FD_RESERVE_MIN = 64  # file descriptors kept free of connections for the process itself
+CONTROL_CONNECTIONS = 64  # open at once; a new one closes the oldest (see _connections)
 CLOSE_BYE_WAIT_S = 0.5  # how long close() waits for BYEs after STOP
 THREAD_JOIN_S = 5.0  # how long close() waits for a background thread
 

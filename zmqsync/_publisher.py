@@ -27,13 +27,13 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import functools
 import logging
 import os
 import secrets
 import threading
 import time
 import warnings
-import weakref
 from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -43,6 +43,7 @@ import zmq
 
 from . import _config, _lifecycle
 from ._buffers import CpuSegment, CudaBuffer, SharedBuffer, collect_garbage, segment_name
+from ._connections import Gate, connection_budget, open_descriptors, raise_fd_limit
 from ._deadline import Deadline
 from ._errors import ClosedError, ProtocolError, PublishTimeout, ZmqSyncError
 from ._layout import (
@@ -57,6 +58,7 @@ from ._layout import (
 )
 from ._protocol import (
     Ack,
+    BufferInfo,
     Bye,
     Error,
     Heartbeat,
@@ -67,6 +69,7 @@ from ._protocol import (
     State,
     Stop,
     Tap,
+    TensorSpec,
     Welcome,
     WorkerState,
     decode,
@@ -75,7 +78,17 @@ from ._protocol import (
 )
 from ._registry import Registry, WorkerInfo
 from ._security import Authenticator, CurveServer, require_security
-from ._sockets import bind, connect, post, protect_ipc, readable, sibling_endpoint
+from ._sockets import (
+    NOBLOCK,
+    Drain,
+    bind,
+    connect,
+    drop_peer,
+    post,
+    protect_ipc,
+    readable,
+    sibling_endpoint,
+)
 from ._transport import registered
 
 __all__ = ["DEFAULT", "Publish", "Publisher"]
@@ -92,6 +105,7 @@ class _Default:
 
 DEFAULT: Any = _Default()
 XPUB_WELCOME = b"\x00zmqsync-subscribed"  # first frame a new SUB gets: its subscription is live
+_SUBSCRIBE_ALL = b"\x01"  # the only subscription the protocol uses: to every event
 # How long a publishing thread reads acks itself before leaving the rest to the agent.
 # The agent's heartbeats and evictions wait that long at most; fast publishes never leave.
 FAST_COLLECT_S = 0.02
@@ -265,15 +279,29 @@ class Publisher:
         self.bus = secrets.token_hex(8)
         self._receive = template(Receive, bus=self.bus)  # (seq, version, slot) -> frame
         self.address = ""
-        self._registry = Registry(slots)
-        self._lock = threading.RLock()
-        self._cond = threading.Condition(self._lock)
+        self._shared = _Shared(
+            name=self.name,
+            bus=self.bus,
+            slots=slots,
+            heartbeat=heartbeat,
+            max_workers=max_workers,
+            handshake_rate=handshake_rate,
+            curve=curve,
+            gid=self._gid,
+            tap=self._tap,
+            slot_bytes=self._layout.slot_bytes,
+            manifest=self._layout.specs,
+        )
+        # The same objects as the agent's (see `_Shared`), under the names used here.
+        self._registry = self._shared.registry
+        self._lock = self._shared.lock
+        self._cond = self._shared.cond
+        self._io = self._shared.io  # the events, acks and tap sockets (see the module doc)
+        self._pipe_lock = self._shared.pipe_lock
+        self._write_lock = self._shared.write_lock
+        self._counters = self._shared.counters
         self._publish_lock = threading.Lock()
-        self._pipe_lock = threading.Lock()
-        self._io = threading.Lock()  # the events, acks and tap sockets (see the module doc)
-        self._counters: Counter[str] = Counter()
         self._state = "new"  # new -> started -> closed
-        self._failure: BaseException | None = None
         self._agent: _Agent | None = None
         self._segment: CpuSegment | None = None
         self._slot_views: list[dict[Key, torch.Tensor]] = []
@@ -282,8 +310,6 @@ class Publisher:
         self._cuda_views: list[dict[Key, torch.Tensor]] = []  # per slot: tensors on GPUs
         self._mirrored: list[bool] = []  # per slot: the CPU segment holds its CUDA tensors
         self._streams: list[torch.device] = []  # devices to synchronize after a write
-        self._write_lock = threading.Lock()
-        self._notes: dict[str, tuple[str, str]] = {}  # worker id -> (session, transport note)
         self._resources = contextlib.ExitStack()
         self._pid = os.getpid()
 
@@ -303,8 +329,13 @@ class Publisher:
             return self
         with contextlib.ExitStack() as stack:
             self.address = self._address_arg or _config.default_address(self.name)
+            self._shared.address = self.address
             require_security(self.address, self._curve, self._insecure)
             _refuse_if_served(self.address)
+            self._shared.fd_limit = raise_fd_limit()
+            self._shared.max_connections = connection_budget(
+                self._shared.fd_limit, open_descriptors()
+            )
             os.makedirs(self._shm_dir, exist_ok=True)
             collect_garbage(self._shm_dir)
             seg_name = segment_name(self.name, self.bus)
@@ -323,7 +354,13 @@ class Publisher:
             self._write_plans = [self._write_plan(slot) for slot in range(self._slots)]
             self._write(0, 0, flatten(self._source), mirror=False)
             self._registry.record(0, 0)
-            self._agent = _Agent(self)
+            self._shared.buffers = self._buffer_infos()
+            self._shared.cuda = bool(self._cuda)
+            if self._cuda:
+                self._shared.fill_mirror = functools.partial(
+                    _fill_mirror, self._slot_views, self._cuda_views, self._mirrored
+                )
+            self._agent = _Agent(self._shared)
             self._agent.start()
             stack.callback(self._agent.stop)
             self._resources = stack.pop_all()
@@ -363,10 +400,17 @@ class Publisher:
         self.close()
 
     def __del__(self) -> None:
+        # Close first, warn after: with warnings turned into errors the warning would
+        # otherwise end __del__ before anything is released.
         if getattr(self, "_state", "closed") == "started":
-            warnings.warn(f"unclosed {self!r}", ResourceWarning, stacklevel=1)
+            unclosed = f"unclosed {self!r}"
             with contextlib.suppress(Exception):
                 self.close()
+            warnings.warn(
+                f"{unclosed}: closed by the garbage collector (use `with` or call close())",
+                ResourceWarning,
+                stacklevel=1,
+            )
 
     def __repr__(self) -> str:
         return (
@@ -459,10 +503,9 @@ class Publisher:
     # --- internals (user thread) ---------------------------------------------------
 
     def _check_usable(self) -> None:
-        if self._failure is not None:
-            raise ZmqSyncError(
-                f"publisher {self.name!r} agent failed: {self._failure!r}"
-            ) from self._failure
+        failure = self._shared.failure
+        if failure is not None:
+            raise ZmqSyncError(f"publisher {self.name!r} agent failed: {failure!r}") from failure
         if self._state != "started":
             state = "closed" if self._state == "closed" else "not started"
             raise ClosedError(f"Publisher {self.name!r} is {state}; call start() on a new one")
@@ -541,20 +584,6 @@ class Publisher:
             return False
         with self._cond:
             return any(m.transport == "cpu" for m in self._registry.members.values())
-
-    def _fill_mirror(self, slot: int) -> None:
-        """Copy `slot`'s CUDA tensors into the CPU segment, once (under `_write_lock`).
-
-        Nobody reads that copy yet: the worker it is for gets its WELCOME afterwards, and
-        while another such worker was on the bus every version was copied already.
-        """
-        if not self._cuda_views or self._mirrored[slot]:
-            return
-        views = self._slot_views[slot]
-        with torch.no_grad():
-            for key, view in self._cuda_views[slot].items():
-                views[key].copy_(view)
-        self._mirrored[slot] = True
 
     def _buffer_infos(self) -> tuple[Any, ...]:
         assert self._segment is not None
@@ -755,19 +784,79 @@ def _refuse_if_served(address: str) -> None:
         )
 
 
+@dataclasses.dataclass(eq=False)
+class _Shared:
+    """What a publisher's agent thread shares with its `Publisher`.
+
+    The agent holds this and never the Publisher. A Publisher dropped without `close()`
+    (torchrl never closes its schemes) is finalized by the garbage collector, after
+    every weak reference to it is dead when it sits in a reference cycle; its agent must
+    still be able to say STOP, close its sockets and remove their files then.
+    """
+
+    name: str
+    bus: str
+    slots: int
+    heartbeat: float
+    max_workers: int
+    handshake_rate: float
+    curve: CurveServer | None
+    gid: int | None
+    tap: bool
+    slot_bytes: int
+    manifest: tuple[TensorSpec, ...]
+    address: str = ""
+    buffers: tuple[BufferInfo, ...] = ()  # set once the buffers exist
+    cuda: bool = False
+    fill_mirror: Callable[[int], None] | None = None  # CUDA weights: copy a slot to the CPU
+    registry: Registry = dataclasses.field(init=False)
+    lock: threading.RLock = dataclasses.field(default_factory=threading.RLock)
+    cond: threading.Condition = dataclasses.field(init=False)
+    io: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    pipe_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    write_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    counters: Counter[str] = dataclasses.field(default_factory=Counter)
+    notes: dict[str, tuple[str, str]] = dataclasses.field(default_factory=dict)
+    failure: BaseException | None = None
+    fd_limit: int = 1024  # the soft RLIMIT_NOFILE once raised at start
+    max_connections: int = 1024  # what the bound sockets may hold together (see Gate)
+
+    def __post_init__(self) -> None:
+        self.registry = Registry(self.slots)
+        self.cond = threading.Condition(self.lock)
+
+
+def _fill_mirror(
+    slot_views: list[dict[Key, torch.Tensor]],
+    cuda_views: list[dict[Key, torch.Tensor]],
+    mirrored: list[bool],
+    slot: int,
+) -> None:
+    """Copy `slot`'s CUDA tensors into the CPU segment, once (under the write lock).
+
+    Nobody reads that copy yet: the worker it is for gets its WELCOME afterwards, and
+    while another such worker was on the bus every version was copied already.
+    """
+    if not cuda_views or mirrored[slot]:
+        return
+    views = slot_views[slot]
+    with torch.no_grad():
+        for key, view in cuda_views[slot].items():
+            views[key].copy_(view)
+    mirrored[slot] = True
+
+
 class _Agent:
     """The thread that owns the publisher's sockets (control, events, acks)."""
 
-    def __init__(self, pub: Publisher) -> None:
-        # A proxy: the thread must not keep an unclosed Publisher alive (its __del__
-        # warns and cleans up).
-        self.pub: Publisher = weakref.proxy(pub)
+    def __init__(self, shared: _Shared) -> None:
+        self.shared = shared
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self.seq = 0
         self._closing: Deadline | None = None
         self._started = threading.Event()
         self._thread = threading.Thread(
-            target=self._run, name=f"zmqsync-pub-{pub.name}", daemon=True
+            target=self._run, name=f"zmqsync-pub-{shared.name}", daemon=True
         )
         self._pipe_in = self.ctx.socket(zmq.PAIR)
         self._pipe_in.linger = 0
@@ -778,7 +867,7 @@ class _Agent:
         self.endpoints: dict[str, str] = {}  # cached: LAST_ENDPOINT is a socket call
         self.closed = False  # the sockets are closed (set under `_io`)
         self._auth: Authenticator | None = None
-        self._tokens = float(pub._handshake_rate)
+        self._tokens = float(shared.handshake_rate)
         self._tokens_at = time.monotonic()
 
     def start(self) -> None:
@@ -789,17 +878,22 @@ class _Agent:
             raise failure or ZmqSyncError("publisher agent did not start within 10 s")
 
     def command(self, cmd: bytes) -> None:
-        with self.pub._pipe_lock:
+        with self.shared.pipe_lock:
             if not self._pipe_in.closed and not post(self._pipe_in, cmd):
                 log.debug("publisher agent gone: command %r dropped", cmd[:16])
 
     def stop(self) -> None:
+        if threading.current_thread() is self._thread:
+            # The garbage collector finalized an unclosed Publisher on this very thread:
+            # the loop sees the command, says STOP and closes the sockets on its way out.
+            self.command(b"stop")
+            return
         if self._thread.is_alive():
             self.command(b"stop")
             self._thread.join(_config.CLOSE_BYE_WAIT_S + _config.THREAD_JOIN_S)
             if self._thread.is_alive():
                 log.warning("publisher agent thread did not stop within its deadline")
-        with self.pub._pipe_lock:
+        with self.shared.pipe_lock:
             self._pipe_in.close()
         if self._auth is not None:
             self._auth.stop()
@@ -819,21 +913,22 @@ class _Agent:
             self._loop()
         except BaseException as exc:
             log.exception("publisher agent failed")
-            self.pub._failure = exc
-            with self.pub._cond:
-                self.pub._cond.notify_all()
+            self.shared.failure = exc
+            with self.shared.cond:
+                self.shared.cond.notify_all()
         finally:
-            bound = [self.control, *self._shared()]
+            self.gate.close()
+            bound = [self.control, *self._bus_sockets()]
             control = self.control.getsockopt_string(zmq.LAST_ENDPOINT)  # the others: cached
             endpoints = [control, *(e for e in self.endpoints.values() if e)]
             # A publishing thread may be using them; it holds `_io` for one bounded step.
-            if self.pub._io.acquire(timeout=IO_LOCK_S):
+            if self.shared.io.acquire(timeout=IO_LOCK_S):
                 try:
                     self.closed = True
                     for sock in (self.pipe, *bound):
                         sock.close()
                 finally:
-                    self.pub._io.release()
+                    self.shared.io.release()
             else:  # left to the context's destroy in stop()
                 log.warning("publisher agent: sockets still in use at exit; not closed here")
             for endpoint in endpoints:  # libzmq leaves ipc socket files behind
@@ -842,14 +937,26 @@ class _Agent:
                         os.unlink(endpoint[len("ipc://") :])
 
     def _bind(self) -> None:
-        address, pub = self.pub.address, self.pub
-        secure = pub._curve.apply if pub._curve is not None else None
-        if pub._curve is not None:
-            self._auth = Authenticator(self.ctx, pub._curve)
+        address, shared = self.shared.address, self.shared
+        secure = shared.curve.apply if shared.curve is not None else None
+        if shared.curve is not None:
+            self._auth = Authenticator(self.ctx, shared.curve)
         self.pipe = self.ctx.socket(zmq.PAIR)
         self.pipe.linger = 0
         self.pipe.connect(self._pipe_addr)
-        self.control = bind(self.ctx, zmq.REP, address, secure)
+        self.gate = Gate(
+            shared.max_connections - _config.CONTROL_CONNECTIONS,
+            _config.CONTROL_CONNECTIONS,
+            shared.fd_limit,
+        )
+        self.control = bind(
+            self.ctx,
+            zmq.REP,
+            address,
+            secure,
+            max_bytes=_config.CONTROL_MAX_BYTES,
+            rcvhwm=_config.CONTROL_RCVHWM,
+        )
 
         def events_options(sock: zmq.Socket[bytes]) -> None:
             sock.setsockopt(zmq.XPUB_WELCOME_MSG, XPUB_WELCOME)
@@ -865,13 +972,36 @@ class _Agent:
             if secure is not None:
                 secure(sock)
 
-        self.events = bind(self.ctx, zmq.XPUB, sibling_endpoint(address, "events"), events_options)
-        self.acks = bind(self.ctx, zmq.PULL, sibling_endpoint(address, "acks"), secure)
-        if pub._tap:
-            self.tap = bind(self.ctx, zmq.XPUB, sibling_endpoint(address, "tap"), tap_options)
+        # Subscribers only ever subscribe to everything: an empty prefix (see
+        # `_drain_subscriptions`), so subscription frames are tiny.
+        subscriptions = {
+            "max_bytes": _config.SUBSCRIPTION_MAX_BYTES,
+            "rcvhwm": _config.SUBSCRIPTION_RCVHWM,
+        }
+        self.events = bind(
+            self.ctx,
+            zmq.XPUB,
+            sibling_endpoint(address, "events"),
+            events_options,
+            **subscriptions,
+        )
+        self.acks = bind(
+            self.ctx,
+            zmq.PULL,
+            sibling_endpoint(address, "acks"),
+            secure,
+            max_bytes=_config.WORKER_MAX_BYTES,
+            rcvhwm=_config.WORKER_RCVHWM,
+        )
+        if shared.tap:
+            self.tap = bind(
+                self.ctx, zmq.XPUB, sibling_endpoint(address, "tap"), tap_options, **subscriptions
+            )
         for sock in (self.control, self.events, self.acks, self.tap):
             if sock is not None:
-                protect_ipc(sock, pub._gid)
+                protect_ipc(sock, shared.gid)
+                endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+                self.gate.watch(sock, endpoint, control=sock is self.control)
         self._ack_poller = zmq.Poller()  # for the thread that holds `_io`
         self._ack_poller.register(self.acks, zmq.POLLIN)
         self.acks.rcvtimeo = int(_COLLECT_WAIT_S * 1000)  # only `collect` blocks in recv
@@ -890,11 +1020,17 @@ class _Agent:
         poller = zmq.Poller()
         poller.register(self.pipe, zmq.POLLIN)
         poller.register(self.control, zmq.POLLIN)
-        io, beat = self.pub._io, self.pub._heartbeat
+        monitors = self.gate.monitors()
+        for monitor in monitors:  # connections come and go: counted at once (see Gate)
+            poller.register(monitor, zmq.POLLIN)
+        io, beat = self.shared.io, self.shared.heartbeat
         next_beat = next_service = time.monotonic()
         while True:
             wake = min(next_beat, next_service)
             ready = dict(poller.poll(max(0, int((wake - time.monotonic()) * 1000)) + 1))
+            for monitor in monitors:
+                if monitor in ready:
+                    self.gate.on_event(monitor)
             if not io.acquire(timeout=IO_LOCK_S):
                 raise ZmqSyncError("a publishing thread held the sockets for too long")
             try:
@@ -912,19 +1048,19 @@ class _Agent:
             finally:
                 io.release()
             if self._closing is not None and (
-                self._closing.expired() or not self.pub._registry.members
+                self._closing.expired() or not self.shared.registry.members
             ):
                 return
 
-    def _shared(self) -> list[zmq.Socket[bytes]]:
+    def _bus_sockets(self) -> list[zmq.Socket[bytes]]:
         return [s for s in (self.acks, self.events, self.tap) if s is not None]
 
     def _service(self) -> None:
         """Drain the shared sockets (caller holds `_io`)."""
         self._on_acks()
-        self._drain_subscriptions(self.events)
+        self._drain_subscriptions(self.events, self.endpoints["events"])
         if self.tap is not None:
-            self._drain_subscriptions(self.tap)
+            self._drain_subscriptions(self.tap, self.endpoints["tap"])
 
     def collect(self, done: Callable[[], bool], deadline: Deadline) -> None:
         """Handle acks on the calling thread until `done()` or the deadline (caller holds `_io`).
@@ -934,13 +1070,13 @@ class _Agent:
         first whether one is there (ZMQ_EVENTS) makes one every time, and this thread
         comes to each ack with cold caches after the workers ran, so every step counts.
         """
-        pub, acks = self.pub, self.acks
+        shared, acks = self.shared, self.acks
         msg: Message | None = None
         now = 0.0
         while True:
-            with pub._cond:
+            with shared.cond:
                 if msg is not None and self._on_worker_message(msg, now):
-                    pub._cond.notify_all()
+                    shared.cond.notify_all()
                 if done():
                     return
             msg = None
@@ -970,7 +1106,7 @@ class _Agent:
         """Copy a frame to the tap, if open; never blocks (drops are counted)."""
         if self.tap is None:
             return
-        record = Tap(self.pub.bus, time.time(), direction, peer[:128], frame)
+        record = Tap(self.shared.bus, time.time(), direction, peer[:128], frame)
         try:
             self.tap.send(encode(record), zmq.NOBLOCK)
         except zmq.Again:
@@ -981,22 +1117,31 @@ class _Agent:
             cmd = self.pipe.recv().split()
             if cmd[0] == b"evict":
                 self.seq += 1
-                stop = Stop(self.pub.bus, self.seq, cmd[1].decode(), "evicted")
+                stop = Stop(self.shared.bus, self.seq, cmd[1].decode(), "evicted")
                 self.send_event(stop, cmd[2].decode())
             elif cmd[0] == b"stop" and self._closing is None:
                 self.seq += 1
-                self.send_event(Stop(self.pub.bus, self.seq, "", "publisher closed"))
+                self.send_event(Stop(self.shared.bus, self.seq, "", "publisher closed"))
                 self._closing = Deadline(_config.CLOSE_BYE_WAIT_S)
         return True
 
     def _on_request(self) -> None:
-        frames = self.control.recv_multipart()
+        # Never a blocking recv: REP skips a message without the envelope delimiter and
+        # waits for the next one, so a peer sending such messages kept a blocking recv
+        # (and the heartbeats behind it) waiting for as long as it liked.
+        try:
+            frames = [self.control.recv(NOBLOCK)]
+            while self.control.rcvmore:  # a request is one frame; the rest is not kept
+                self.control.recv(NOBLOCK, copy=False)
+                frames.append(b"")
+        except zmq.Again:
+            return
         reply: Message
         peer = ""
         try:
             if len(frames) != 1:
                 raise ProtocolError(f"expected one frame, got {len(frames)}")
-            msg = decode(frames[0], bus=self.pub.bus)
+            msg = decode(frames[0], bus=self.shared.bus)
             peer = msg.worker_id if isinstance(msg, Hello) else "inspector"
             self._mirror("in", peer, frames[0])
             if isinstance(msg, Hello):
@@ -1010,7 +1155,7 @@ class _Agent:
             log.debug("rejected request: %s", exc)
             if not peer:
                 self._mirror("in", "", frames[0][:4096] if frames else b"")
-            reply = Error(self.pub.bus, str(exc)[:1024])
+            reply = Error(self.shared.bus, str(exc)[:1024])
         frame = encode(reply)
         self.control.send(frame)
         if isinstance(reply, Welcome):  # handle bytes never reach a sniffer
@@ -1019,25 +1164,25 @@ class _Agent:
         self._mirror("out", peer, frame)
 
     def _welcome(self, hello: Hello) -> Welcome:
-        pub = self.pub
+        shared = self.shared
         if self._closing is not None:
             raise ProtocolError("the publisher is closing")
-        transport, note = registered(hello.transport, hello.transport_note, bool(pub._cuda))
+        transport, note = registered(hello.transport, hello.transport_note, bool(shared.cuda))
         hello = dataclasses.replace(hello, transport=transport, transport_note=note)
         self._admit(hello)
-        copy = bool(pub._cuda) and transport == "cpu"  # it reads the CPU copy of CUDA weights
-        with pub._write_lock if copy else contextlib.nullcontext():
-            with pub._cond:
+        copy = bool(shared.cuda) and transport == "cpu"  # it reads the CPU copy of CUDA weights
+        with shared.write_lock if copy else contextlib.nullcontext():
+            with shared.cond:
                 session = secrets.token_hex(8)
-                old = pub._registry.members.get(hello.worker_id)
-                pub._registry.join(hello, session, time.monotonic())
+                old = shared.registry.members.get(hello.worker_id)
+                shared.registry.join(hello, session, time.monotonic())
                 self._remember_note(hello.worker_id, session, note)
-                version = pub._registry.latest
-                slot = pub._registry.slot_of(version)
-                pub._counters["handshakes"] += 1
-                pub._cond.notify_all()
-            if copy:
-                pub._fill_mirror(slot)
+                version = shared.registry.latest
+                slot = shared.registry.slot_of(version)
+                shared.counters["handshakes"] += 1
+                shared.cond.notify_all()
+            if copy and shared.fill_mirror is not None:
+                shared.fill_mirror(slot)
         if old is None:
             again = ""
         elif old.pid != hello.pid:
@@ -1052,62 +1197,65 @@ class _Agent:
             hello.mode,
             again,
         )
-        if pub._cuda:
+        if shared.cuda:
             log.info(
                 "worker %s reads the %s buffer%s",
                 hello.worker_id,
                 transport,
                 f": {note}" if note else "",
             )
-        assert pub._segment is not None
         return Welcome(
-            bus=pub.bus,
+            bus=shared.bus,
             session=session,
             seq=self.seq,
             version=version,
             slot=slot,
-            slots=pub._slots,
-            slot_bytes=pub._layout.slot_bytes,
-            heartbeat=pub._heartbeat,
+            slots=shared.slots,
+            slot_bytes=shared.slot_bytes,
+            heartbeat=shared.heartbeat,
             events=self.endpoints["events"],
             acks=self.endpoints["acks"],
             tap=self.endpoints["tap"],
-            buffers=pub._buffer_infos(),
-            manifest=pub._layout.specs,
+            buffers=shared.buffers,
+            manifest=shared.manifest,
         )
 
     def _remember_note(self, worker_id: str, session: str, note: str) -> None:
         """Keep a worker's transport note for STATE (only current members are shown)."""
-        notes = self.pub._notes
-        if len(notes) > 2 * max(len(self.pub._registry.members), 1024):
-            for gone in [w for w in notes if w not in self.pub._registry.members]:
+        notes = self.shared.notes
+        if len(notes) > 2 * max(len(self.shared.registry.members), 1024):
+            for gone in [w for w in notes if w not in self.shared.registry.members]:
                 del notes[gone]
         notes[worker_id] = (session, note)
 
     def _note_of(self, worker_id: str, session: str) -> str:
-        kept = self.pub._notes.get(worker_id)
+        kept = self.shared.notes.get(worker_id)
         return kept[1] if kept is not None and kept[0] == session else ""
 
     def _admit(self, hello: Hello) -> None:
         """Refuse a HELLO when the bus is full or handshakes come too fast (a storm)."""
-        pub, now = self.pub, time.monotonic()
-        rate = pub._handshake_rate
+        shared, now = self.shared, time.monotonic()
+        rate = shared.handshake_rate
         self._tokens = min(2 * rate, self._tokens + (now - self._tokens_at) * rate)
         self._tokens_at = now
         if self._tokens < 1:
             self._count("throttled")
             raise ProtocolError("busy: too many handshakes, retry later")
         self._tokens -= 1
-        with pub._lock:
-            known = hello.worker_id in pub._registry.members
-            if not known and len(pub._registry.members) >= pub._max_workers:
-                raise ProtocolError(f"bus full: {pub._max_workers} workers (max_workers)")
+        with shared.lock:
+            known = hello.worker_id in shared.registry.members
+            if not known and len(shared.registry.members) >= shared.max_workers:
+                raise ProtocolError(f"bus full: {shared.max_workers} workers (max_workers)")
+        if not known and self.gate.full(2):  # a worker holds two more connections
+            raise ProtocolError(
+                f"bus full: {self.gate.count} connections, the most the publisher's file "
+                f"descriptor limit ({self.gate.fd_limit}) allows; raise its `ulimit -n`"
+            )
 
     def _state(self) -> State:
-        pub = self.pub
-        assert pub._segment is not None
+        shared = self.shared
         now = time.monotonic()
-        with pub._lock:
+        with shared.lock:
             workers = tuple(
                 WorkerState(
                     m.worker_id,
@@ -1119,23 +1267,27 @@ class _Agent:
                     max(0.0, now - m.last_seen),
                     self._note_of(m.worker_id, m.session),
                 )
-                for m in pub._registry.members.values()
+                for m in shared.registry.members.values()
             )
             return State(
-                bus=pub.bus,
-                name=pub.name,
+                bus=shared.bus,
+                name=shared.name,
                 pid=os.getpid(),
-                version=pub._registry.latest,
+                version=shared.registry.latest,
                 seq=self.seq,
-                slots=pub._slots,
-                slot_versions=tuple(pub._registry.slot_versions),
-                heartbeat=pub._heartbeat,
+                slots=shared.slots,
+                slot_versions=tuple(shared.registry.slot_versions),
+                heartbeat=shared.heartbeat,
                 tap=self.endpoints["tap"],
                 events=self.endpoints["events"],
-                buffers=pub._buffer_infos(),
-                manifest=pub._layout.specs,
+                buffers=shared.buffers,
+                manifest=shared.manifest,
                 workers=workers,
-                counters=dict(pub._counters),
+                counters={
+                    **shared.counters,
+                    "connections": self.gate.total,
+                    "refused_connections": self.gate.refused,
+                },
             )
 
     def _on_acks(self) -> None:
@@ -1143,21 +1295,23 @@ class _Agent:
 
         Worker messages are decoded first and applied to the registry under one lock.
         """
-        pub, acks, now = self.pub, self.acks, time.monotonic()
+        shared, acks, now = self.shared, self.acks, time.monotonic()
         messages: list[Message] = []
-        for _ in range(_config.ACK_DRAIN_MAX):
-            if not readable(acks):
-                break
-            msg = self._read(acks.recv(copy=False))
+        budget = Drain()
+        while readable(acks):
+            part = acks.recv(copy=False)
+            msg = self._read(part)
             if msg is not None:
                 messages.append(msg)
+            if not budget.spend(len(part)):
+                break
         if messages:
-            with pub._cond:
+            with shared.cond:
                 changed = False
                 for msg in messages:
                     changed |= self._on_worker_message(msg, now)
                 if changed:
-                    pub._cond.notify_all()
+                    shared.cond.notify_all()
 
     def _read(self, part: zmq.Frame) -> Message | None:
         """A frame from the acks socket as a message; None (counted) if it is not one.
@@ -1166,16 +1320,17 @@ class _Agent:
         cost ~4 us more per ack on a cold thread).
         """
         frame, more = part.bytes, part.more
-        tail = more
-        while tail:  # multipart is not ours: read it all, drop (its parts come together)
+        tail, budget = more, Drain()
+        while tail:  # multipart is not ours: read and drop (its parts come together)
             try:
-                tail = self.acks.recv(copy=False).more
+                rest = self.acks.recv(copy=False)
             except zmq.Again:
                 break
+            tail = rest.more and budget.spend(len(rest))
         try:
             if more:
                 raise ProtocolError("expected one frame, got several")
-            msg = decode(frame, bus=self.pub.bus)
+            msg = decode(frame, bus=self.shared.bus)
         except ProtocolError as exc:
             self._count("rejected")
             log.debug("dropped message on acks: %s", exc)
@@ -1187,10 +1342,10 @@ class _Agent:
 
     def _on_worker_message(self, msg: Message, now: float) -> bool:
         """Apply one worker message to the registry (caller holds `_cond`)."""
-        reg = self.pub._registry
+        reg = self.shared.registry
         if isinstance(msg, Ack):
             ok = reg.ack(msg.worker_id, msg.session, msg.version, now)
-            self.pub._counters["acks" if ok else "stale"] += 1
+            self.shared.counters["acks" if ok else "stale"] += 1
             return ok
         if isinstance(msg, Heartbeat):
             if not reg.seen(msg.worker_id, msg.session, now):
@@ -1205,27 +1360,40 @@ class _Agent:
         return False
 
     def _beat(self, now: float) -> None:
-        pub = self.pub
-        self.send_event(Heartbeat(pub.bus, self.seq, "", "", pub._registry.latest))
-        limit = pub._heartbeat * _config.LOST_AFTER_BEATS
-        with pub._cond:
-            lost = pub._registry.evict(pub._registry.silent(now, limit))
+        shared = self.shared
+        self.send_event(Heartbeat(shared.bus, self.seq, "", "", shared.registry.latest))
+        limit = shared.heartbeat * _config.LOST_AFTER_BEATS
+        with shared.cond:
+            lost = shared.registry.evict(shared.registry.silent(now, limit))
             if lost:
-                pub._counters["lost"] += len(lost)
-                pub._cond.notify_all()
+                shared.counters["lost"] += len(lost)
+                shared.cond.notify_all()
         for member in lost:
             log.info("worker %s silent for %.1f s: dropped", member.worker_id, limit)
             self.seq += 1
-            stop = Stop(pub.bus, self.seq, member.session, "silent too long")
+            stop = Stop(shared.bus, self.seq, member.session, "silent too long")
             self.send_event(stop, member.worker_id)
 
-    def _drain_subscriptions(self, sock: zmq.Socket[bytes]) -> None:
-        """XPUB subscription frames: read and dropped (the welcome frame did the work)."""
-        for _ in range(_config.ACK_DRAIN_MAX):
-            if not readable(sock):
+    def _drain_subscriptions(self, sock: zmq.Socket[bytes], endpoint: str) -> None:
+        """Read what peers sent an XPUB socket; drop anyone who sent more than the protocol.
+
+        A subscriber subscribes to everything (an empty prefix), once per connection,
+        and the welcome frame did the rest. libzmq keeps every other subscription a peer
+        sends in a tree, ~1 KiB per distinct prefix, until that peer leaves: a peer that
+        sends one is disconnected here, which frees it. Unsubscriptions cost nothing
+        (libzmq also makes them itself when a peer leaves).
+        """
+        budget = Drain()
+        while readable(sock):
+            frame = sock.recv(copy=False)
+            data = frame.bytes
+            if data[:1] != b"\x00" and data != _SUBSCRIBE_ALL:
+                self._count("rejected")
+                if drop_peer(frame, endpoint):
+                    self._count("dropped_peers")
+            if not budget.spend(len(data)):
                 return
-            sock.recv()
 
     def _count(self, what: str) -> None:
-        with self.pub._lock:
-            self.pub._counters[what] += 1
+        with self.shared.lock:
+            self.shared.counters[what] += 1

@@ -243,10 +243,17 @@ class Subscriber:
         self.close()
 
     def __del__(self) -> None:
+        # Close first, warn after: with warnings turned into errors the warning would
+        # otherwise end __del__ before anything is released.
         if getattr(self, "_link", _Link.CLOSED) not in (_Link.CLOSED, _Link.NEW):
-            warnings.warn(f"unclosed {self!r}", ResourceWarning, stacklevel=1)
+            unclosed = f"unclosed {self!r}"
             with contextlib.suppress(Exception):
                 self.close()
+            warnings.warn(
+                f"{unclosed}: closed by the garbage collector (use `with` or call close())",
+                ResourceWarning,
+                stacklevel=1,
+            )
 
     def __repr__(self) -> str:
         link = "connected" if self.connected else self._link.name.lower()
@@ -555,7 +562,12 @@ class _Agent:
     """The thread that owns the subscriber's sockets (handshake REQ, events SUB, acks PUSH)."""
 
     def __init__(self, sub: Subscriber) -> None:
-        self.sub: Subscriber = weakref.proxy(sub)  # never keeps an unclosed one alive
+        # A proxy: the thread never keeps an unclosed Subscriber alive. When one is
+        # collected (its weak references die first, in a reference cycle), the proxy
+        # raises ReferenceError here; the thread then says BYE with what it keeps itself.
+        self.sub: Subscriber = weakref.proxy(sub)
+        self.worker_id = sub.worker_id
+        self.bus = ""
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self.events: zmq.Socket[bytes] | None = None
         self.acks: zmq.Socket[bytes] | None = None
@@ -627,12 +639,16 @@ class _Agent:
         self._started.set()
         try:
             self._loop()
+        except ReferenceError:
+            pass  # the Subscriber was collected; its finalizer is stopping this thread
         except BaseException as exc:
             log.exception("subscriber agent failed")
-            sub._failure = exc
+            with contextlib.suppress(ReferenceError):
+                sub._failure = exc
         finally:
+            self._send(Bye(self.bus, self.worker_id, self.session), linger_ms=200)
             self._close_sockets()
-            with sub._cond:
+            with contextlib.suppress(ReferenceError), sub._cond:
                 sub._cond.notify_all()
 
     def _close_sockets(self) -> None:
@@ -665,6 +681,7 @@ class _Agent:
                 self.acks.close()
             self.acks = acks
         self.session, self.last_seq, self.heartbeat = reply.session, reply.seq, reply.heartbeat
+        self.bus = reply.bus
         self.last_heard = time.monotonic()
         with sub._cond:
             if sub._link == _Link.CLOSED:
@@ -748,7 +765,6 @@ class _Agent:
             if now >= next_beat:
                 self._tick(now)
                 next_beat = now + self.heartbeat
-        self._send(Bye(self.sub._bus, self.sub.worker_id, self.session), linger_ms=200)
 
     def _on_event(self, frame: bytes) -> None:
         sub = self.sub

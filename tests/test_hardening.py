@@ -1,0 +1,412 @@
+"""Peers that send valid-looking traffic, or too much of it, against real processes.
+
+Each attack runs against a publisher in its own process (tests/helpers/victim.py) whose
+data segment is capped (RLIMIT_DATA): a flood that makes it allocate kills that process,
+never the test machine, and a dead victim fails the test. A real worker process stays on
+the bus throughout; the assertions are that the victim lives, keeps publishing within
+its deadlines and keeps its worker, not how fast it does so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+import zmq
+
+import zmqsync
+from zmqsync._deadline import Deadline
+from zmqsync._protocol import Hello, Inspect, State, Welcome
+from zmqsync._sockets import request
+
+VICTIM = "tests/helpers/victim.py"
+CAP_MB = 1024  # the victim's data segment; it idles at ~250 MB
+
+
+@pytest.fixture
+def ctx():
+    context = zmq.Context()
+    context.set(zmq.MAX_SOCKETS, 8192)
+    yield context
+    context.destroy(linger=0)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _victim(spawn, name, *extra):
+    victim = spawn(VICTIM, name, "--data-mb", str(CAP_MB), *extra, module="")
+    started = victim.wait_for(lambda r: r.get("event") == "started", timeout=60)
+    return victim, started
+
+
+def _worker(spawn, address, wid="good"):
+    worker = spawn("worker", address, "--json", "--worker-id", wid, "--forever")
+    worker.wait_for(lambda r: r.get("event") == "applied", timeout=60)
+    return worker
+
+
+def _end(victim) -> dict:
+    """SIGTERM the victim; its last record, after checking it was not killed."""
+    victim.proc.send_signal(signal.SIGTERM)
+    rc = victim.finish(timeout=30)
+    assert rc == 0, f"the publisher died (rc {rc}): {victim.stderr[-3000:]}"
+    return victim.wait_for(lambda r: r.get("event") == "done", timeout=5)
+
+
+def _published_during(victim, start: int, end: int) -> list[dict]:
+    return [r for r in victim.records[start:end] if r.get("event") in ("published", "timeout")]
+
+
+def _inspect(ctx, address) -> State:
+    reply = request(ctx, address, Inspect(""), deadline=Deadline(10))
+    assert isinstance(reply, State)
+    return reply
+
+
+def _flood(stop, ctx, kind, endpoint, frames, hwm=4):
+    """Send `frames` round and round on a fresh socket until `stop` (never blocks).
+
+    Bytes, never a shared zmq.Frame: each send wraps them without a copy, and a Frame
+    sent from several threads at once corrupts its reference count.
+    """
+    sock = ctx.socket(kind)
+    sock.linger = 0
+    sock.setsockopt(zmq.SNDHWM, hwm)
+    sock.connect(endpoint)
+    try:
+        while not stop.is_set():
+            for frame in frames:
+                try:
+                    sock.send(frame, zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    time.sleep(0.0005)
+    finally:
+        sock.close()
+
+
+def _under_attack(victim, attackers, seconds):
+    """Run the attack threads for `seconds` while the victim publishes; its records then."""
+    stop = threading.Event()
+    threads = [threading.Thread(target=a, args=(stop,), daemon=True) for a in attackers]
+    before = len(victim.records)
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(seconds)  # the attack's duration, not a synchronisation
+        assert victim.proc.poll() is None, f"the publisher died: {victim.stderr[-3000:]}"
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(10)
+    return _published_during(victim, before, len(victim.records))
+
+
+def _assert_kept_publishing(records, worker="good"):
+    assert len(records) >= 5, f"the publisher stopped publishing: {records[-3:]}"
+    timeouts = [r for r in records if r["event"] == "timeout"]
+    assert not timeouts, f"publishes missed their deadline under attack: {timeouts[:3]}"
+    assert all(worker in r["acked"] for r in records), "the real worker stopped acking"
+
+
+# --- resources a peer can make the publisher spend --------------------------------------
+
+
+def test_big_frames_on_acks_and_control_neither_stall_nor_grow_the_publisher(ctx, spawn, name):
+    victim, started = _victim(spawn, name)
+    address = started["address"]
+    worker = _worker(spawn, address)
+    big = b"x" * (16 * 2**20 - 1024)  # just under the old 16 MiB limit
+    attackers = [
+        lambda stop: _flood(stop, ctx, zmq.PUSH, address + ".acks", [big]),
+        lambda stop: _flood(stop, ctx, zmq.PUSH, address + ".acks", [big]),
+        lambda stop: _flood(stop, ctx, zmq.DEALER, address, [big]),
+        lambda stop: _flood(stop, ctx, zmq.DEALER, address, [b"", big]),
+    ]
+    records = _under_attack(victim, attackers, seconds=4)
+    _assert_kept_publishing(records)
+    done = _end(victim)
+    assert done["peak_rss_mb"] < 600, f"the publisher grew to {done['peak_rss_mb']:.0f} MB"
+    worker.kill()
+
+
+def test_small_frame_floods_are_drained_within_a_budget(ctx, spawn, name):
+    victim, started = _victim(spawn, name)
+    address = started["address"]
+    worker = _worker(spawn, address)
+    junk = [b"\x81\xa1x\xa1y" * 100, b"\xff" * 900]  # under the frame limits, never valid
+    attackers = [
+        lambda stop: _flood(stop, ctx, zmq.PUSH, address + ".acks", junk, hwm=1000),
+        lambda stop: _flood(stop, ctx, zmq.PUSH, address + ".acks", junk, hwm=1000),
+        lambda stop: _flood(stop, ctx, zmq.DEALER, address, [b"", junk[0]], hwm=1000),
+        # no envelope delimiter: REP skips such messages, and a blocking recv waited
+        lambda stop: _flood(stop, ctx, zmq.DEALER, address, [junk[0]], hwm=1000),
+    ]
+    records = _under_attack(victim, attackers, seconds=4)
+    _assert_kept_publishing(records)
+    done = _end(victim)
+    assert done["counters"]["rejected"] > 1000
+    worker.kill()
+
+
+class _Zmtp:
+    """A peer that speaks raw ZMTP 3.0: libzmq as the sender would itself keep every
+    subscription it sends (a 16 MiB one overflows its stack), so the attacker writes
+    the frames by hand. Reconnects when the publisher drops it."""
+
+    def __init__(self, endpoint: str, socket_type: bytes) -> None:
+        self.endpoint, self.socket_type = endpoint, socket_type
+        self.sock: socket.socket | None = None
+        self.dropped = 0
+
+    def _connect(self) -> socket.socket:
+        if self.endpoint.startswith("ipc://"):
+            sock = socket.socket(socket.AF_UNIX)
+            sock.connect(self.endpoint[len("ipc://") :])
+        else:
+            host, port = self.endpoint[len("tcp://") :].rsplit(":", 1)
+            sock = socket.create_connection((host, int(port)), timeout=5)
+        try:
+            self._greet(sock)
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    def _greet(self, sock: socket.socket) -> None:
+        sock.settimeout(5)
+        greeting = b"\xff" + bytes(8) + b"\x7f\x03\x00" + b"NULL".ljust(20, b"\x00") + bytes(32)
+        sock.sendall(greeting)
+        _recv_exactly(sock, 64)
+        prop = b"\x0bSocket-Type" + len(self.socket_type).to_bytes(4, "big") + self.socket_type
+        body = b"\x05READY" + prop
+        sock.sendall(bytes([0x04, len(body)]) + body)
+
+    def send(self, frame: bytes) -> None:
+        header = bytes([0x02]) + len(frame).to_bytes(8, "big")  # a long, last frame
+        try:
+            if self.sock is None:
+                self.sock = self._connect()
+            self.sock.sendall(header + frame)
+        except OSError:  # dropped by the publisher: that is the point
+            self.dropped += 1
+            self.close()
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+
+
+def _recv_exactly(sock: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            raise ConnectionError("closed during the ZMTP greeting")
+        data += chunk
+    return data
+
+
+def test_subscriptions_other_than_everything_cost_the_publisher_nothing(ctx, spawn, name):
+    port = _free_port()
+    victim, started = _victim(spawn, name, "--address", f"tcp://127.0.0.1:{port}", "--tap")
+    address = started["address"]
+    worker = _worker(spawn, address)
+    state = _inspect(ctx, address)
+    huge = b"\x01" + b"s" * (16 * 2**20 - 64)
+
+    def attack(stop, endpoint, distinct):
+        peer = _Zmtp(endpoint, b"XSUB")
+        try:
+            while not stop.is_set():
+                # a fresh prefix every time: libzmq keeps each in a tree until the peer
+                # leaves, about 1 KiB each
+                peer.send(b"\x01" + os.urandom(12) if distinct else huge)
+        finally:
+            peer.close()
+
+    attackers = [
+        lambda stop: attack(stop, state.events, False),
+        lambda stop: attack(stop, state.tap, False),
+        lambda stop: attack(stop, state.events, True),
+        lambda stop: attack(stop, state.events, True),
+        lambda stop: attack(stop, state.tap, True),
+    ]
+    records = _under_attack(victim, attackers, seconds=5)
+    _assert_kept_publishing(records)
+    after = _inspect(ctx, address)
+    assert after.counters.get("dropped_peers", 0) > 0
+    done = _end(victim)
+    assert done["peak_rss_mb"] < 600, f"the publisher grew to {done['peak_rss_mb']:.0f} MB"
+    worker.kill()
+
+
+def test_connections_beyond_the_fd_limit_are_refused_not_fatal(ctx, spawn, name, bus_dirs):
+    victim, started = _victim(spawn, name, "--nofile", "1024", "1024", "--interval", "0.2")
+    address = started["address"]
+    assert started["nofile"] == [1024, 1024]
+    worker = _worker(spawn, address)
+    kinds = [(".acks", b"PUSH"), (".events", b"SUB")]
+    held: list[_Zmtp] = []
+    try:
+        for i in range(1100):  # as fast as one process can: the gate must keep up
+            suffix, kind = ("", b"DEALER") if i % 10 == 0 else kinds[i % 2]
+            peer = _Zmtp(address + suffix, kind)  # through the handshake: it stays
+            with contextlib.suppress(OSError):
+                peer.sock = peer._connect()
+            held.append(peer)
+        end = time.monotonic() + 20
+        while True:
+            state = _inspect(ctx, address)  # it still answers, with room kept for that
+            if state.counters.get("refused_connections", 0) > 0 or time.monotonic() > end:
+                break
+            time.sleep(0.1)
+        assert state.counters["refused_connections"] > 0
+        assert state.counters["connections"] <= 1024
+        assert [w.worker_id for w in state.workers] == ["good"]
+        reply = request(
+            ctx,
+            address,
+            Hello("", "late", 1, "h", "copy", "cpu"),
+            deadline=Deadline(10),
+        )
+        assert reply.TYPE == "error" and "bus full" in reply.reason
+        before = len(victim.records)
+        deadline = time.monotonic() + 30
+        while len(_published_during(victim, before, len(victim.records))) < 3:
+            assert time.monotonic() < deadline, "no publishes while the bus was full"
+            assert victim.proc.poll() is None, f"the publisher died: {victim.stderr[-3000:]}"
+            time.sleep(0.1)
+        _assert_kept_publishing(_published_during(victim, before, len(victim.records)) * 2)
+    finally:
+        for peer in held:
+            peer.close()
+    late = _worker(spawn, address, "late")  # room again once the flood is gone
+    _end(victim)
+    worker.kill()
+    late.kill()
+
+
+def test_default_max_workers_fit_under_the_default_fd_limits(ctx, spawn, name):
+    # the common default: a soft limit of 1024 under a higher hard limit
+    victim, started = _victim(
+        spawn,
+        name,
+        "--nofile",
+        "1024",
+        "8192",
+        "--no-publish",
+        "--heartbeat",
+        "10",
+        "--handshake-rate",
+        "100000",
+    )
+    address = started["address"]
+    assert started["nofile"][0] > 2 * 1024, "the soft fd limit was not raised at start"
+    held = []
+    for i in range(1024):
+        reply = request(
+            ctx, address, Hello("", f"w{i}", i + 1, "h", "copy", "cpu"), deadline=Deadline(10)
+        )
+        assert isinstance(reply, Welcome), reply
+        for kind, endpoint in ((zmq.SUB, reply.events), (zmq.PUSH, reply.acks)):
+            sock = ctx.socket(kind)
+            sock.linger = 0
+            sock.connect(endpoint)
+            held.append(sock)
+    end = time.monotonic() + 30
+    while (state := _inspect(ctx, address)).counters.get("connections", 0) < 2048:
+        assert time.monotonic() < end, state.counters
+        time.sleep(0.1)
+    assert len(state.workers) == 1024
+    assert state.counters.get("refused_connections", 0) == 0
+    for sock in held:
+        sock.close()
+    _end(victim)
+
+
+# --- lifecycle ----------------------------------------------------------------------------
+
+_CYCLE = """
+import gc, json, os, sys, warnings
+import torch, zmqsync
+gc.disable()  # collected below, on purpose, as part of a cycle
+class Holder:
+    pass
+holder = Holder()
+holder.self = holder  # a reference cycle, as torchrl's collectors make around a scheme
+holder.bus = zmqsync.{cls}
+holder.bus.start()
+{before}
+del holder
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    gc.collect()
+kinds = sorted({{w.category.__name__ for w in caught}})
+print(json.dumps({{"collected": True, "warnings": kinds}}), flush=True)
+{after}
+"""
+
+
+def _run(script: str) -> subprocess.CompletedProcess[str]:
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr and "Exception" not in out.stderr, out.stderr[-3000:]
+    return out
+
+
+def test_a_publisher_collected_in_a_reference_cycle_leaves_nothing(name, bus_dirs):
+    runtime, shm = bus_dirs
+    script = _CYCLE.format(
+        cls=f'Publisher({{"w": torch.zeros(4)}}, name="{name}")',
+        before="assert len(os.listdir(os.environ['ZMQSYNC_SHM_DIR'])) == 1",
+        after="""
+print(json.dumps({"shm": os.listdir(os.environ["ZMQSYNC_SHM_DIR"]),
+                  "runtime": os.listdir(os.environ["ZMQSYNC_RUNTIME_DIR"])}), flush=True)
+""",
+    )
+    out = _run(script)
+    assert '"warnings": ["ResourceWarning"]' in out.stdout
+    assert '"shm": [], "runtime": []' in out.stdout, out.stdout
+    assert os.listdir(shm) == [] and os.listdir(runtime) == []
+
+
+def test_a_subscriber_collected_in_a_reference_cycle_says_bye(name):
+    with zmqsync.Publisher({"w": torch.zeros(4)}, name=name, heartbeat=5.0) as pub:
+        script = _CYCLE.format(
+            cls=f'Subscriber(name="{name}", worker_id="cyclic")',
+            before="",
+            after="",
+        )
+        _run(script)
+        # BYE, not silence: with a 5 s heartbeat, silence would take 30 s to notice
+        end = time.monotonic() + 10
+        while "cyclic" in pub.workers or pub.counters.get("handshakes", 0) < 1:
+            assert time.monotonic() < end, "the collected subscriber never said BYE"
+            time.sleep(0.05)
+        assert pub.counters.get("lost", 0) == 0
+
+
+def test_a_publisher_collected_on_its_own_thread_still_cleans_up(name, bus_dirs):
+    _, shm = bus_dirs
+    pub = zmqsync.Publisher({"w": torch.zeros(4)}, name=name).start()
+    agent = pub._agent
+    with pytest.warns(ResourceWarning):
+        pub.__del__()  # what the collector does, whichever thread it runs on
+    del pub
+    gc.collect()
+    assert not agent._thread.is_alive()
+    assert os.listdir(shm) == []
