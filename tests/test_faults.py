@@ -200,16 +200,20 @@ def test_stale_acks_and_heartbeats_are_ignored(name):
             ctx.destroy(linger=0)
 
 
-def test_reused_worker_id_replaces_the_old_entry(name):
-    with zmqsync.Publisher({"w": torch.zeros(4)}, name=name) as pub:
-        first = zmqsync.Subscriber(name=name, worker_id="same").start()
-        second = zmqsync.Subscriber(name=name, worker_id="same").start()
+def test_reused_worker_id_takes_the_place_of_a_killed_process(spawn, name):
+    # a supervisor restarts a crashed worker under its old id: the new process is told
+    # "busy" until the dead one has been silent for ~6 heartbeats, then takes its place
+    with zmqsync.Publisher({"w": torch.zeros(4)}, name=name, heartbeat=HB) as pub:
+        first = _worker(spawn, name, "same")
+        _applied(first, 0)
+        first.proc.send_signal(signal.SIGKILL)
+        first.finish()
+        second = zmqsync.Subscriber(name=name, worker_id="same", timeout=10).start()
         try:
-            assert list(pub.workers) == ["same"]
+            assert list(pub.workers) == ["same"] and pub.workers["same"].pid == os.getpid()
             p = pub.publish()
             assert p.acked == ("same",) and second.wait_for_version(1)
         finally:
-            first.close()
             second.close()
 
 

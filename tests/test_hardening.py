@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import mmap
 import os
 import signal
 import socket
@@ -24,8 +25,19 @@ import torch
 import zmq
 
 import zmqsync
+from zmqsync._buffers.header import Header
 from zmqsync._deadline import Deadline
-from zmqsync._protocol import Hello, Inspect, State, Welcome
+from zmqsync._protocol import (
+    Ack,
+    Heartbeat,
+    Hello,
+    Inspect,
+    Receive,
+    State,
+    Welcome,
+    decode,
+    encode,
+)
 from zmqsync._sockets import request
 
 VICTIM = "tests/helpers/victim.py"
@@ -410,3 +422,220 @@ def test_a_publisher_collected_on_its_own_thread_still_cleans_up(name, bus_dirs)
     gc.collect()
     assert not agent._thread.is_alive()
     assert os.listdir(shm) == []
+
+
+# --- identity -----------------------------------------------------------------------------
+
+
+def _events(ctx, endpoint):
+    sub = ctx.socket(zmq.SUB)
+    sub.linger = 0
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(endpoint)
+    return sub
+
+
+def _stops(sock, seconds=2.0) -> list:
+    """The STOP events that arrive on `sock` within `seconds`."""
+    end, out = time.monotonic() + seconds, []
+    while (left := end - time.monotonic()) > 0:
+        if sock.poll(int(left * 1000) + 1):
+            frame = sock.recv()
+            if not frame.startswith(b"\x00"):  # the XPUB welcome frame
+                msg = decode(frame)
+                if msg.TYPE == "stop":
+                    out.append(msg)
+    return out
+
+
+def test_a_forged_hello_cannot_take_a_live_workers_id(ctx, spawn, name):
+    with zmqsync.Publisher({"w": torch.zeros(1 << 16)}, name=name, slots=2) as pub:
+        worker = spawn("worker", "--name", name, "--mode", "alias", "--json", "--worker-id", "v")
+        worker.wait_for(lambda r: r.get("event") == "applied", timeout=60)
+        real_pid = pub.workers["v"].pid
+        for session in ("", "0" * 16):  # none, or a guessed one
+            reply = request(
+                ctx,
+                pub.address,
+                Hello("", "v", 1, "h", "alias", "cpu", "", session),
+                deadline=Deadline(5),
+            )
+            assert reply.TYPE == "error" and "busy: worker id 'v' is in use" in reply.reason
+        assert pub.workers["v"].pid == real_pid
+        for v in range(1, 6):  # still protected and still acking: no torn reads possible
+            assert pub.publish(weights={"w": torch.full((1 << 16,), float(v))}).acked == ("v",)
+        assert pub.counters["refused_ids"] == 2
+        worker.kill()
+
+
+def test_two_processes_with_one_worker_id_the_second_is_refused_until_the_first_leaves(name):
+    with zmqsync.Publisher({"w": torch.zeros(4)}, name=name) as pub:
+        first = zmqsync.Subscriber(name=name, worker_id="same").start()
+        try:
+            with pytest.raises(zmqsync.ProtocolError, match="in use by a live worker"):
+                zmqsync.Subscriber(name=name, worker_id="same", timeout=1.0).start()
+            assert pub.publish().acked == ("same",) and first.version == 1
+        finally:
+            first.close()  # BYE: the id is free at once
+        second = zmqsync.Subscriber(name=name, worker_id="same").start()
+        try:
+            assert pub.publish().acked == ("same",) and second.wait_for_version(2)
+        finally:
+            second.close()
+
+
+def test_default_worker_ids_are_unique_within_one_process(name):
+    with zmqsync.Publisher({"w": torch.zeros(4)}, name=name) as pub:
+        with (
+            zmqsync.Subscriber(name=name) as a,
+            zmqsync.Subscriber(name=name) as b,
+        ):
+            assert a.worker_id != b.worker_id
+            assert a.worker_id.startswith(f"{socket.gethostname()[:96]}-{os.getpid()}-")
+            assert set(pub.publish().acked) == {a.worker_id, b.worker_id}
+
+
+def test_a_rejoin_proven_by_its_session_displaces_the_old_one_and_protects_its_slot(ctx, name):
+    with zmqsync.Publisher({"w": torch.zeros(4)}, name=name, slots=2) as pub:
+        events = _events(ctx, pub.address + ".events")
+        first = request(
+            ctx, pub.address, Hello("", "p", 7, "h", "alias", "cpu"), deadline=Deadline(5)
+        )
+        assert isinstance(first, Welcome)
+        acks = ctx.socket(zmq.PUSH)
+        acks.linger = 0
+        acks.connect(first.acks)
+        acks.send(encode(Ack(pub.bus, "p", first.session, 0)))  # computes with v0 (slot 0)
+        end = time.monotonic() + 5
+        while pub.workers["p"].version < 0:
+            assert time.monotonic() < end
+            time.sleep(0.01)
+        pub.publish(wait=False)  # v1 into slot 1; "p" still computes with v0 in slot 0
+        # the same process re-joins (its link was lost): it proves it with its session
+        proof = Hello("", "p", 7, "h", "alias", "cpu", "", first.session)
+        again = request(ctx, pub.address, proof, deadline=Deadline(5))
+        assert isinstance(again, Welcome) and again.session != first.session
+        stops = _stops(events)
+        assert [(s.session, s.reason) for s in stops] == [(first.session, "replaced")]
+        # slot 0 still holds what the displaced session computes with: not written
+        with pytest.raises(zmqsync.PublishTimeout, match="still hold every slot"):
+            pub.publish(timeout=0.5)
+        acks.send(encode(Ack(pub.bus, "p", again.session, 1)))  # moved on: slot 0 is free
+        end = time.monotonic() + 5
+        while pub.workers["p"].version < 1:
+            assert time.monotonic() < end
+            time.sleep(0.01)
+        handle = pub.publish(wait=False)
+        assert handle.version == 2  # the refused publish took no version
+        acks.close()
+        events.close()
+
+
+def test_a_silent_sessions_id_may_be_taken_and_the_old_session_is_told(ctx, name):
+    with zmqsync.Publisher({"w": torch.zeros(4)}, name=name, heartbeat=0.05) as pub:
+        events = _events(ctx, pub.address + ".events")
+        first = request(
+            ctx, pub.address, Hello("", "q", 1, "h", "copy", "cpu"), deadline=Deadline(5)
+        )
+        time.sleep(0.4)  # longer than 6 heartbeats of silence: its process is gone
+        second = request(
+            ctx, pub.address, Hello("", "q", 2, "h", "copy", "cpu"), deadline=Deadline(5)
+        )
+        assert isinstance(second, Welcome)
+        assert any(s.session == first.session for s in _stops(events, 1.0))
+        events.close()
+
+
+# --- what a sniffer sees ------------------------------------------------------------------
+
+
+def test_the_tap_shows_no_session_a_peer_could_use(ctx, name):
+    with zmqsync.Publisher({"w": torch.zeros(4)}, name=name, tap=True) as pub:
+        tap = _events(ctx, pub.address + ".tap")
+        end = time.monotonic() + 10
+        while not tap.poll(50):  # the tap drops what it sends before a subscription lands
+            assert time.monotonic() < end, "the tap never showed a frame"
+            request(ctx, pub.address, Inspect(""), deadline=Deadline(5))
+        with zmqsync.Subscriber(name=name, worker_id="s") as sub:
+            real = sub._agent.session
+            for _ in range(3):
+                pub.publish()
+            records = []
+            end = time.monotonic() + 2
+            while time.monotonic() < end:
+                if tap.poll(100):
+                    records.append(decode(tap.recv()))
+        frames = [decode(r.frame) for r in records if r.frame[:1] != b""]
+        shown = {getattr(m, "session", "") for m in frames} - {""}
+        assert any(m.TYPE == "ack" for m in frames) and any(m.TYPE == "welcome" for m in frames)
+        assert real.encode() not in b"".join(r.frame for r in records)
+        assert len(shown) == 1 and real not in shown, "one stand-in, the same for the session"
+        # the stand-in is worth nothing on the acks socket
+        push = ctx.socket(zmq.PUSH)
+        push.linger = 0
+        push.connect(pub.address + ".acks")
+        stale = pub.counters.get("stale", 0)
+        push.send(encode(Ack(pub.bus, "s", shown.pop(), pub.version)))
+        end = time.monotonic() + 5
+        while pub.counters.get("stale", 0) == stale:
+            assert time.monotonic() < end
+            time.sleep(0.01)
+        push.close()
+        tap.close()
+
+
+# --- what a subscriber trusts -------------------------------------------------------------
+
+
+def test_slots_out_of_range_are_dropped_and_counted_not_fatal(bus_dirs, name):
+    from tests.test_hostile_publisher import (
+        BUS,
+        FakePublisher,
+        cpu_buffer,
+        segment,
+        spec,
+        welcome,
+    )
+
+    runtime, shm = bus_dirs
+    fake = FakePublisher(f"ipc://{runtime}/{name}.sock")
+    slots, slot_bytes = 2, 4096
+    try:
+        with segment(shm, f"zmqsync-{name}-x-cpu", slots=slots, slot_bytes=slot_bytes) as seg:
+            path = shm / seg
+            with open(path, "r+b") as f, mmap.mmap(f.fileno(), 4096) as mm:
+                words = memoryview(mm).cast("Q")
+                header = Header(words)  # a header naming a slot past the segment, complete
+                header.begin_write(9)
+                header.end_write(9, 1)
+                header.set_latest(1, 9)
+                fake.serve(
+                    welcome(
+                        fake.endpoints,
+                        (cpu_buffer(seg, slots, slot_bytes),),
+                        (spec("w", 16, 0),),
+                        slots=slots,
+                        slot_bytes=slot_bytes,
+                    )
+                )
+                sub = zmqsync.Subscriber(fake.address, timeout=5).start()
+                try:
+                    assert sub.version == 0  # not version 1 "in slot 9"
+                    events = [
+                        Receive(BUS, 1, 1, 5),  # slot 5 of 2
+                        Receive(BUS, 2, 1, 63),
+                        Heartbeat(BUS, 9, "", "", 1),  # a gap: repaired from the header
+                    ]
+                    end = time.monotonic() + 10
+                    while sub.counters["rejected"] < 2:
+                        for msg in events:
+                            fake.events.send(encode(msg))
+                        assert time.monotonic() < end, sub.counters
+                        time.sleep(0.05)
+                    assert sub._failure is None and sub.version == 0
+                    sub.poll()  # usable: no agent failure to report
+                finally:
+                    sub.close()
+                words.release()
+    finally:
+        fake.close()

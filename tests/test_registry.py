@@ -296,3 +296,69 @@ def test_blockers_are_sorted_and_unique():
     publish(reg)
     assert reg.free_slot() is None
     assert reg.blockers() == ["a", "m", "z"]
+
+
+# --- identity: one live session per worker id -------------------------------------------
+
+
+def proving(worker_id: str, session: str, mode: str = "copy") -> Hello:
+    return Hello(BUS, worker_id, 100, "host", mode, "cpu", "", session)
+
+
+def test_claim_refuses_a_live_workers_id_without_its_session():
+    reg = started()
+    reg.join(hello("w0"), "s0", now=0.0)
+    assert reg.claim(hello("w1"), now=1.0, silent_after=3.0) is None  # a free id
+    refusal = reg.claim(hello("w0"), now=1.0, silent_after=3.0)
+    assert refusal is not None and "'w0' is in use by a live worker (pid 100)" in refusal
+    assert reg.claim(proving("w0", "guess"), now=1.0, silent_after=3.0) == refusal
+    assert reg.claim(proving("w0", "s0"), now=1.0, silent_after=3.0) is None  # same process
+    assert reg.claim(hello("w0"), now=3.0, silent_after=3.0) == refusal  # not silent yet
+    assert reg.claim(hello("w0"), now=3.1, silent_after=3.0) is None  # gone silent
+
+
+def test_claim_counts_any_message_as_proof_of_life():
+    reg = started()
+    reg.join(hello("w0"), "s0", now=0.0)
+    assert reg.seen("w0", "s0", now=2.9)
+    assert reg.claim(hello("w0"), now=5.0, silent_after=3.0) is not None
+    assert reg.ack("w0", "s0", 0, now=5.5)
+    assert reg.claim(hello("w0"), now=8.4, silent_after=3.0) is not None
+
+
+def test_a_proven_rejoin_displaces_the_old_session_which_keeps_its_slot_until_it_lets_go():
+    reg = started()
+    reg.join(hello("w0", mode="alias"), "s0", now=0.0)
+    assert reg.ack("w0", "s0", 0, now=0.5)  # computes with v0 in slot 0
+    assert publish(reg) == 1  # v1 in slot 1
+    reg.join(proving("w0", "s0", mode="alias"), "s1", now=1.0)  # re-joined, floor v1
+    assert set(reg.members) == {"w0"} and reg.members["w0"].session == "s1"
+    assert list(reg.displaced) == ["s0"]
+    assert reg.holders(0) == ["w0"], "the displaced session still computes with slot 0"
+    assert reg.free_slot() is None
+    assert not reg.ack("w0", "s0", 1, now=1.5), "the displaced session is no member"
+    assert reg.leave("w0", "s0") is None and list(reg.displaced) == ["s0"]
+    assert reg.ack("w0", "s1", 1, now=2.0)  # the process computes with v1: it let go
+    assert reg.displaced == {}
+    assert reg.free_slot() == 0
+
+
+def test_a_displaced_session_that_goes_silent_stops_holding_its_slot():
+    reg = started()
+    reg.join(hello("w0", mode="alias"), "s0", now=0.0)
+    assert reg.ack("w0", "s0", 0, now=0.9)  # its last word
+    publish(reg)
+    reg.join(proving("w0", "s0", mode="alias"), "s1", now=1.0)
+    assert reg.seen("w0", "s1", now=3.5)
+    assert reg.silent(now=3.9, limit_s=3.0) == [] and list(reg.displaced) == ["s0"]
+    assert reg.silent(now=4.0, limit_s=3.0) == [] and reg.displaced == {}
+    assert reg.holders(0) == []
+
+
+def test_taking_the_id_of_a_silent_session_displaces_nothing():
+    reg = started()
+    reg.join(hello("w0", mode="alias"), "s0", now=0.0)
+    assert reg.ack("w0", "s0", 0, now=0.0)
+    assert reg.claim(hello("w0", mode="alias", pid=7), now=10.0, silent_after=3.0) is None
+    reg.join(hello("w0", mode="alias", pid=7), "s1", now=10.0)
+    assert reg.displaced == {} and reg.members["w0"].pid == 7

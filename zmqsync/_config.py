@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import re
+import secrets
+import socket
 import stat
 import tempfile
 
@@ -33,6 +35,7 @@ __all__ = [
     "LOST_AFTER_BEATS",
     "MAX_MESSAGE_BYTES",
     "check_name",
+    "default_worker_id",
     "resolve_group",
     "default_address",
     "runtime_dir",
@@ -133,6 +136,16 @@ def resolve_group(group: str | int | None) -> int | None:
         return grp.getgrnam(group).gr_gid
     except KeyError:
         raise ValueError(f"no group named {group!r} on this host") from None
+
+
+def default_worker_id() -> str:
+    """``<host>-<pid>-<6 random hex>``: unique without configuration.
+
+    Host and pid alone collide: containers that share a network namespace share a host
+    name while each numbers its own pids from 1, and one process may run two
+    subscribers. The host and pid stay in front, for whoever reads `zmqsync inspect`.
+    """
+    return f"{socket.gethostname()[:96]}-{os.getpid()}-{secrets.token_hex(3)}"
 
 
 def shm_dir(explicit: str | None = None) -> str:

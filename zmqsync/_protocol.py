@@ -395,6 +395,7 @@ class Hello:
     mode: str
     transport: str
     transport_note: str = ""
+    session: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -632,12 +633,16 @@ FIELDS: dict[type[Any], dict[str, tuple[Check, str]]] = {
     },
     Hello: {
         "bus": (_BUS_OR_EMPTY, "empty, or the bus the sender last knew"),
-        "worker_id": (_ID, "stable name of the worker (default host-pid)"),
+        "worker_id": (_ID, "stable name of the worker (default host-pid-random)"),
         "pid": (_int(), "process id"),
         "host": (_text(255), "host name"),
         "mode": (_choice("copy", "alias"), "how it applies versions"),
         "transport": (_choice("cpu", "cuda"), "buffer transport it will use"),
         "transport_note": (_text(256), "empty, or why it falls back to the cpu copy"),
+        "session": (
+            _SESSION,
+            "empty, or the session it holds now: proves a re-join of the same process",
+        ),
     },
     Welcome: {
         "bus": (_BUS, "bus id"),

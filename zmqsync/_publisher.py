@@ -28,6 +28,7 @@ import contextlib
 import ctypes
 import dataclasses
 import functools
+import hashlib
 import logging
 import os
 import secrets
@@ -36,7 +37,7 @@ import time
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import zmq
@@ -77,7 +78,14 @@ from ._protocol import (
     template,
 )
 from ._registry import Registry, WorkerInfo
-from ._security import Authenticator, CurveServer, require_security
+from ._security import (
+    Authenticator,
+    CurveServer,
+    forget_keys,
+    is_loopback,
+    issue_keys,
+    require_security,
+)
 from ._sockets import (
     NOBLOCK,
     Drain,
@@ -89,6 +97,7 @@ from ._sockets import (
     readable,
     sibling_endpoint,
 )
+from ._text import printable
 from ._transport import registered
 
 __all__ = ["DEFAULT", "Publish", "Publisher"]
@@ -203,8 +212,10 @@ class Publisher:
         shm_dir: tmpfs directory for segments (default $ZMQSYNC_SHM_DIR or /dev/shm).
         tap: open the tap socket that mirrors every message for `zmqsync sniff`;
             None: on when the environment variable ZMQSYNC_TAP is "1".
-        curve: CURVE keys and client allowlist; required for a tcp:// address that is
-            not loopback (see docs/security.md).
+        curve: True: make keys for this bus and leave the client's in the runtime dir,
+            where subscribers of this name find them; or a CurveServer (keys and client
+            allowlist). Required for a tcp:// address that is not loopback; on loopback
+            tcp without it any local user can join (see docs/security.md).
         insecure: allow a non-loopback tcp:// address without CURVE (explicit opt-in).
         group: a group name or gid that may use the bus (socket files and segments
             become 0660 with that group), for containers running as different uids.
@@ -224,7 +235,7 @@ class Publisher:
         heartbeat: float = 0.5,
         shm_dir: str | None = None,
         tap: bool | None = None,
-        curve: CurveServer | None = None,
+        curve: CurveServer | bool | None = None,
         insecure: bool = False,
         group: str | int | None = None,
         max_workers: int = 1024,
@@ -269,7 +280,8 @@ class Publisher:
         self._heartbeat = heartbeat
         self._shm_dir = _config.shm_dir(shm_dir)
         self._tap = tap if tap is not None else os.environ.get("ZMQSYNC_TAP") == "1"
-        self._curve = curve
+        self._curve_arg = curve
+        self._curve = curve if isinstance(curve, CurveServer) else None
         self._insecure = insecure
         self._gid = _config.resolve_group(group)
         if max_workers < 1 or handshake_rate <= 0:
@@ -286,7 +298,7 @@ class Publisher:
             heartbeat=heartbeat,
             max_workers=max_workers,
             handshake_rate=handshake_rate,
-            curve=curve,
+            curve=self._curve,
             gid=self._gid,
             tap=self._tap,
             slot_bytes=self._layout.slot_bytes,
@@ -330,8 +342,13 @@ class Publisher:
         with contextlib.ExitStack() as stack:
             self.address = self._address_arg or _config.default_address(self.name)
             self._shared.address = self.address
-            require_security(self.address, self._curve, self._insecure)
             _refuse_if_served(self.address)
+            if self._curve_arg is True:
+                self._curve = self._shared.curve = issue_keys(self.name, self._gid)
+                stack.callback(forget_keys, self.name)
+            elif self._address_arg is None:  # keys a killed publisher left for this name
+                forget_keys(self.name)
+            require_security(self.address, self._curve, self._insecure)
             self._shared.fd_limit = raise_fd_limit()
             self._shared.max_connections = connection_budget(
                 self._shared.fd_limit, open_descriptors()
@@ -375,6 +392,15 @@ class Publisher:
             self._layout.nbytes / 2**20,
             self._slots,
         )
+        if self.address.startswith("tcp://") and self._curve is None:
+            who = "any local user" if is_loopback(self.address) else "anyone who reaches it"
+            log.warning(
+                "publisher %r at %s has no CURVE: %s can inspect this bus, join it and "
+                "stall every publish; pass curve=True (see docs/security.md)",
+                self.name,
+                self.address,
+                who,
+            )
         return self
 
     def close(self) -> None:
@@ -867,6 +893,7 @@ class _Agent:
         self.endpoints: dict[str, str] = {}  # cached: LAST_ENDPOINT is a socket call
         self.closed = False  # the sockets are closed (set under `_io`)
         self._auth: Authenticator | None = None
+        self._tap_key = secrets.token_bytes(16)  # see `_redacted`
         self._tokens = float(shared.handshake_rate)
         self._tokens_at = time.monotonic()
 
@@ -1095,12 +1122,30 @@ class _Agent:
 
     def send_event(self, msg: Message, peer: str = "") -> None:
         """Send on the events socket (caller holds `_io`)."""
-        self.send_frame(encode(msg), peer)
+        frame = encode(msg)
+        self.events.send(frame)
+        if self.tap is not None:
+            self._mirror("out", peer, self._redacted(msg, frame))
 
     def send_frame(self, frame: bytes, peer: str = "") -> None:
         """Send an encoded event (caller holds `_io`)."""
         self.events.send(frame)
         self._mirror("out", peer, frame)
+
+    def _redacted(self, msg: Message, frame: bytes) -> bytes:
+        """`frame` as a sniffer may see it: sessions replaced by a keyed hash.
+
+        A session is a worker's capability: whoever knows it can ACK (or BYE) as that
+        worker, or re-join in its place. The tap shows the same stand-in for the same
+        session, so a capture still tells one session's messages apart from another's.
+        """
+        session = getattr(msg, "session", None)
+        if session is None:  # a message without a session field is shown as it is
+            return frame
+        if session:
+            session = hashlib.blake2b(session.encode(), key=self._tap_key, digest_size=8)
+            session = session.hexdigest()
+        return encode(dataclasses.replace(cast(Any, msg), session=session))
 
     def _mirror(self, direction: str, peer: str, frame: bytes) -> None:
         """Copy a frame to the tap, if open; never blocks (drops are counted)."""
@@ -1143,7 +1188,8 @@ class _Agent:
                 raise ProtocolError(f"expected one frame, got {len(frames)}")
             msg = decode(frames[0], bus=self.shared.bus)
             peer = msg.worker_id if isinstance(msg, Hello) else "inspector"
-            self._mirror("in", peer, frames[0])
+            if self.tap is not None:
+                self._mirror("in", peer, self._redacted(msg, frames[0]))
             if isinstance(msg, Hello):
                 reply = self._welcome(msg)
             elif isinstance(msg, Inspect):
@@ -1152,16 +1198,17 @@ class _Agent:
                 raise ProtocolError(f"{msg.TYPE} is not a request")
         except ProtocolError as exc:
             self._count("rejected")
-            log.debug("rejected request: %s", exc)
+            log.debug("rejected request: %s", printable(exc))
             if not peer:
                 self._mirror("in", "", frames[0][:4096] if frames else b"")
             reply = Error(self.shared.bus, str(exc)[:1024])
         frame = encode(reply)
         self.control.send(frame)
-        if isinstance(reply, Welcome):  # handle bytes never reach a sniffer
-            redacted = tuple(dataclasses.replace(b, handle=b"") for b in reply.buffers)
-            frame = encode(dataclasses.replace(reply, buffers=redacted))
-        self._mirror("out", peer, frame)
+        if self.tap is not None:
+            if isinstance(reply, Welcome):  # handle bytes never reach a sniffer
+                redacted = tuple(dataclasses.replace(b, handle=b"") for b in reply.buffers)
+                reply = dataclasses.replace(reply, buffers=redacted)
+            self._mirror("out", peer, self._redacted(reply, frame))
 
     def _welcome(self, hello: Hello) -> Welcome:
         shared = self.shared
@@ -1171,11 +1218,16 @@ class _Agent:
         hello = dataclasses.replace(hello, transport=transport, transport_note=note)
         self._admit(hello)
         copy = bool(shared.cuda) and transport == "cpu"  # it reads the CPU copy of CUDA weights
+        silent_after = shared.heartbeat * _config.LOST_AFTER_BEATS
         with shared.write_lock if copy else contextlib.nullcontext():
             with shared.cond:
+                now = time.monotonic()
+                if refusal := shared.registry.claim(hello, now, silent_after):
+                    shared.counters["refused_ids"] += 1
+                    raise ProtocolError(f"busy: {refusal}")  # retried: it may go silent
                 session = secrets.token_hex(8)
                 old = shared.registry.members.get(hello.worker_id)
-                shared.registry.join(hello, session, time.monotonic())
+                shared.registry.join(hello, session, now)
                 self._remember_note(hello.worker_id, session, note)
                 version = shared.registry.latest
                 slot = shared.registry.slot_of(version)
@@ -1185,15 +1237,18 @@ class _Agent:
                 shared.fill_mirror(slot)
         if old is None:
             again = ""
-        elif old.pid != hello.pid:
-            again = " replacing an older process"
+        elif old.session != hello.session:
+            again = " replacing a silent session"
         else:  # the same process: re-joined, or asked for another transport
             again = " again" if old.transport == transport else f" again, now for {transport}"
+        if old is not None:  # whoever still holds the old session learns it is over
+            self.seq += 1
+            self.send_event(Stop(shared.bus, self.seq, old.session, "replaced"), old.worker_id)
         log.info(
             "worker %s joined (pid %d, %s, %s)%s",
             hello.worker_id,
             hello.pid,
-            hello.host,
+            printable(hello.host),
             hello.mode,
             again,
         )
@@ -1202,7 +1257,7 @@ class _Agent:
                 "worker %s reads the %s buffer%s",
                 hello.worker_id,
                 transport,
-                f": {note}" if note else "",
+                f": {printable(note)}" if note else "",
             )
         return Welcome(
             bus=shared.bus,
@@ -1333,11 +1388,11 @@ class _Agent:
             msg = decode(frame, bus=self.shared.bus)
         except ProtocolError as exc:
             self._count("rejected")
-            log.debug("dropped message on acks: %s", exc)
+            log.debug("dropped message on acks: %s", printable(exc))
             self._mirror("in", "", frame[:4096])
             return None
         if self.tap is not None:
-            self._mirror("in", getattr(msg, "worker_id", ""), frame)
+            self._mirror("in", getattr(msg, "worker_id", ""), self._redacted(msg, frame))
         return msg
 
     def _on_worker_message(self, msg: Message, now: float) -> bool:

@@ -7,6 +7,14 @@ Invariant: **a slot that a live worker may be reading, or (alias mode) computes 
 never handed out for writing** — except with slots=1, where the only slot must be
 rewritten under the seqlock while alias readers hold it (they detect it; see
 `Subscriber.reading`).
+
+Identity: a worker id belongs to one live session at a time. A HELLO for an id whose
+session is alive is refused (`claim`) unless it carries that session, the proof that it
+comes from the same process re-joining; two processes that share an id by accident, or
+a peer that forges one, cannot take over a live worker's place. The session a re-join
+replaces is *displaced*: it is no longer a member (no acks expected, told STOP), but the
+slot it may still compute with stays protected until the new session acks (the process
+has moved on) or it goes silent.
 """
 
 from __future__ import annotations
@@ -63,6 +71,7 @@ class Registry:
 
     def __init__(self, slots: int) -> None:
         self.members: dict[str, Member] = {}
+        self.displaced: dict[str, Member] = {}  # session -> replaced member (see above)
         self.slot_versions = [-1] * slots
         self.latest = -1
         # last acked version of workers that left (for Publish.acked); bounded
@@ -70,8 +79,29 @@ class Registry:
 
     # --- membership ---
 
+    def claim(self, hello: Hello, now: float, silent_after: float) -> str | None:
+        """Why `hello` may not take its worker id now, or None if it may.
+
+        It may when the id is free, when the HELLO proves it is the same process (it
+        carries the live session), or when the live session has been silent for longer
+        than `silent_after` (its process is gone; the sweep just has not run yet).
+        """
+        old = self.members.get(hello.worker_id)
+        if old is None or (hello.session and hello.session == old.session):
+            return None
+        if now - old.last_seen > silent_after:
+            return None
+        return (
+            f"worker id {hello.worker_id!r} is in use by a live worker (pid {old.pid}); "
+            "give each worker its own worker_id (the default is unique)"
+        )
+
     def join(self, hello: Hello, session: str, now: float) -> Member:
-        """Register (or replace: same id, new process) a worker welcomed at `latest`."""
+        """Register a worker welcomed at `latest`, replacing any member of its id.
+
+        Call `claim` first. A replaced member that proved to be this same process is kept
+        as displaced (its slot stays protected); one that went silent is simply gone.
+        """
         member = Member(
             hello.worker_id,
             session,
@@ -85,6 +115,8 @@ class Registry:
         old = self.members.get(hello.worker_id)
         if old is not None:
             self._remember(old)
+            if hello.session == old.session:
+                self.displaced[old.session] = old
         self.members[hello.worker_id] = member
         return member
 
@@ -99,6 +131,9 @@ class Registry:
             return False
         member.last_seen = now
         member.acked = max(member.acked, version)
+        if self.displaced:  # the process computes with `version` now: it let go
+            for old in [m for m in self.displaced.values() if m.worker_id == worker_id]:
+                del self.displaced[old.session]
         return True
 
     def seen(self, worker_id: str, session: str, now: float) -> bool:
@@ -135,6 +170,9 @@ class Registry:
         return out
 
     def silent(self, now: float, limit_s: float) -> list[str]:
+        """Members silent for longer than `limit_s`; displaced ones that are go at once."""
+        for old in [m for m in self.displaced.values() if now - m.last_seen > limit_s]:
+            del self.displaced[old.session]
         return [w for w, m in self.members.items() if now - m.last_seen > limit_s]
 
     # --- versions and slots ---
@@ -147,14 +185,16 @@ class Registry:
         return self.slot_versions.index(version)
 
     def holders(self, slot: int) -> list[str]:
-        """Workers that stop `slot` from being written."""
+        """Workers (members and displaced sessions) that stop `slot` from being written."""
         version = self.slot_versions[slot]
+        if version < 0:
+            return []
         single = len(self.slot_versions) == 1
+        holders = [*self.members.values(), *self.displaced.values()]
         return [
-            w
-            for w, m in self.members.items()
-            if version >= 0
-            and m.busy_with(version, self.latest)
+            m.worker_id
+            for m in holders
+            if m.busy_with(version, self.latest)
             and not (single and m.mode == "alias" and m.acked == version)
         ]
 

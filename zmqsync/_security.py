@@ -8,13 +8,22 @@ caller passes ``insecure=True`` explicitly. An unauthorized client gets no hands
 events, and its messages never reach the publisher's code.
 
 Keys are Z85 text (40 characters), as made by `curve_keypair()`.
+
+CURVE is one flag away on one host: ``Publisher(..., curve=True)`` makes a server key
+pair and one client key pair for the bus, and writes the client's keys to
+``<runtime dir>/<name>.curve`` (0600; 0640 with the bus's group). A subscriber, `zmqsync
+inspect` or `sniff` for that name finds the file there and uses it; whoever cannot read
+the runtime dir cannot join. The publisher removes the file when it closes (and one left
+by a killed publisher when the next one starts without CURVE).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import json
 import os
+import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -24,8 +33,12 @@ __all__ = [
     "CurveClient",
     "CurveServer",
     "Authenticator",
+    "client_from_env",
+    "client_keys_path",
     "curve_keypair",
+    "forget_keys",
     "is_loopback",
+    "issue_keys",
     "require_security",
 ]
 
@@ -87,17 +100,57 @@ class CurveClient:
         sock.curve_secretkey = _key(self.secret)
 
 
-def client_from_env() -> CurveClient | None:
-    """Keys from the JSON file named by $ZMQSYNC_CURVE_CLIENT (for the CLI and containers).
+def client_from_env(name: str | None = None) -> CurveClient | None:
+    """A client's keys: from the JSON file named by $ZMQSYNC_CURVE_CLIENT, else (given a
+    bus `name`) from the file a ``curve=True`` publisher wrote in the runtime dir.
 
     The file holds {"server_public": ..., "public": ..., "secret": ...}; keep it 0600.
     """
     path = os.environ.get("ZMQSYNC_CURVE_CLIENT")
+    if not path and name is not None:
+        path = client_keys_path(name)
+        if not os.path.exists(path):
+            return None
     if not path:
         return None
     with open(path) as f:
         keys = json.load(f)
     return CurveClient(keys["server_public"], keys["public"], keys["secret"])
+
+
+def client_keys_path(name: str) -> str:
+    """Where a ``curve=True`` publisher of bus `name` leaves its client keys."""
+    from ._config import check_name, runtime_dir
+
+    return os.path.join(runtime_dir(), f"{check_name(name)}.curve")
+
+
+def issue_keys(name: str, gid: int | None) -> CurveServer:
+    """Keys for a ``curve=True`` bus: the server's, allowing one client key pair whose
+    keys are written (atomically, never readable by others) for the bus's subscribers."""
+    server_public, server_secret = curve_keypair()
+    public, secret = curve_keypair()
+    path = client_keys_path(name)
+    directory = os.path.dirname(path)
+    fd, tmp = tempfile.mkstemp(prefix=".curve-", dir=directory)  # created 0600
+    try:
+        if gid is not None:
+            os.fchown(fd, -1, gid)
+            os.fchmod(fd, 0o640)
+        with os.fdopen(fd, "w") as f:
+            json.dump({"server_public": server_public, "public": public, "secret": secret}, f)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return CurveServer(server_public, server_secret, allowed_clients=[public])
+
+
+def forget_keys(name: str) -> None:
+    """Remove the client keys of bus `name` (the publisher is closing, or uses none)."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(client_keys_path(name))
 
 
 def is_loopback(address: str) -> bool:

@@ -73,7 +73,7 @@ class Sniffer:
         self.state = state
         self.fallback = not state.tap
         endpoint = resolve_endpoint(address, state.events if self.fallback else state.tap)
-        curve = client_from_env()
+        curve = client_from_env(state.name)
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._sock = connect(self._ctx, zmq.SUB, endpoint, curve.apply if curve else None)
         self._sock.setsockopt(zmq.SUBSCRIBE, b"")

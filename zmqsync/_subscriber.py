@@ -67,6 +67,7 @@ from ._protocol import (
 from ._publisher import DEFAULT, XPUB_WELCOME
 from ._security import CurveClient, client_from_env
 from ._sockets import NOBLOCK, connect, request, resolve_endpoint
+from ._text import printable
 from ._transport import (
     Decision,
     Facts,
@@ -122,13 +123,14 @@ class Subscriber:
         name: bus name (for the default address).
         mode: "copy" (the model keeps its tensors) or "alias" (zero-copy views).
         apply: "background" (a thread applies on arrival) or "manual" (`poll()`).
-        worker_id: default "<hostname>-<pid>".
+        worker_id: default "<hostname>-<pid>-<random>" (unique; see docs/guide.md).
         device: where tensors live when `model` is None (copy mode).
         timeout: handshake deadline (s); also the default for waits.
         on_update: callable(version) run after each apply, before the ack.
         shm_dir: where the publisher's segments are (default $ZMQSYNC_SHM_DIR or /dev/shm).
         curve: this worker's CURVE keys and the publisher's public key, for a publisher
-            that requires CURVE (see docs/security.md).
+            that requires CURVE (see docs/security.md). None: $ZMQSYNC_CURVE_CLIENT, or
+            the keys a ``curve=True`` publisher of `name` left in the runtime dir.
         publisher_uid: the uid the publisher's segments must belong to. None: the owner
             of an ipc:// control socket, else this process's uid. Set it for a tcp:// bus
             whose publisher runs as another uid of a shared group (see ``group=``): a
@@ -161,14 +163,14 @@ class Subscriber:
         self.model = model
         self.mode = mode
         self.apply = apply
-        self.worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}"
+        self.worker_id = worker_id or _config.default_worker_id()
         self._device = device
         self._timeout = timeout
         self._on_update = on_update
         self._shm_dir = _config.shm_dir(shm_dir)
         self._publisher_uid = publisher_uid
         self._pid = os.getpid()
-        curve = curve if curve is not None else client_from_env()
+        curve = curve if curve is not None else client_from_env(self.name)
         self._secure = curve.apply if curve is not None else None
         self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)
@@ -568,6 +570,7 @@ class _Agent:
         self.sub: Subscriber = weakref.proxy(sub)
         self.worker_id = sub.worker_id
         self.bus = ""
+        self.slots = 0  # of the bus joined: a RECEIVE for another slot is not ours
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self.events: zmq.Socket[bytes] | None = None
         self.acks: zmq.Socket[bytes] | None = None
@@ -660,15 +663,27 @@ class _Agent:
     def _handshake(self, deadline: Deadline, attempts: int) -> None:
         sub = self.sub
         transport, note = sub._initial_transport()
+        # The session held now (none at first) proves a re-join is this same process:
+        # the publisher refuses a HELLO for a worker id whose session is alive otherwise.
         hello = Hello(
-            "", sub.worker_id, os.getpid(), socket.gethostname(), sub.mode, transport, note
+            "",
+            sub.worker_id,
+            os.getpid(),
+            socket.gethostname()[:255],
+            sub.mode,
+            transport,
+            note,
+            self.session,
         )
         reply = self._request_welcome(hello, deadline, attempts)
         # map and check the buffers first: a hostile WELCOME stops here
         fallback = sub._adopt(reply, hello)
         if fallback is not None:  # what the HELLO asked for cannot work here: say why
             hello = dataclasses.replace(
-                hello, transport=fallback.transport, transport_note=fallback.reason
+                hello,
+                transport=fallback.transport,
+                transport_note=fallback.reason,
+                session=reply.session,
             )
             reply = self._request_welcome(hello, deadline, attempts)
             sub._adopt(reply, hello, forced=fallback)
@@ -681,7 +696,7 @@ class _Agent:
                 self.acks.close()
             self.acks = acks
         self.session, self.last_seq, self.heartbeat = reply.session, reply.seq, reply.heartbeat
-        self.bus = reply.bus
+        self.bus, self.slots = reply.bus, reply.slots
         self.last_heard = time.monotonic()
         with sub._cond:
             if sub._link == _Link.CLOSED:
@@ -714,9 +729,13 @@ class _Agent:
             )
             if not (isinstance(reply, Error) and reply.reason.startswith("busy:")):
                 break
-            if deadline.expired():  # throttled during a HELLO storm: retry until the deadline
+            # Busy (a HELLO storm, or our worker id still held by a session that has not
+            # gone silent yet): retry while a retry can still get an answer in time, then
+            # report the refusal rather than a timeout.
+            left = deadline.remaining()
+            if left is not None and left < 0.25:
                 break
-            time.sleep(min(0.05, deadline.wait_s(0.05) or 0.0))
+            time.sleep(0.05)
         if isinstance(reply, Error):
             raise ProtocolError(f"the publisher at {sub.address} refused us: {reply.reason}")
         if not isinstance(reply, Welcome):
@@ -730,7 +749,9 @@ class _Agent:
         """Connect SUB and wait until the publisher confirms the subscription is live."""
         if self.events is not None:
             self.events.close()
-        self.events = connect(self.ctx, zmq.SUB, endpoint, self.sub._secure)
+        self.events = connect(
+            self.ctx, zmq.SUB, endpoint, self.sub._secure, max_bytes=_config.EVENT_MAX_BYTES
+        )
         self.events.setsockopt(zmq.SUBSCRIBE, b"")
         self.events.setsockopt(zmq.RCVHWM, 100_000)
         self.events.connect(self._wake_addr)
@@ -772,7 +793,7 @@ class _Agent:
             msg = decode(frame)
         except ProtocolError as exc:
             sub.counters["rejected"] += 1
-            log.debug("dropped event: %s", exc)
+            log.debug("dropped event: %s", printable(exc))
             return
         if msg.bus != sub._bus:
             sub.counters["foreign"] += 1
@@ -780,6 +801,10 @@ class _Agent:
                 self._lose("a new publisher answers at the address")
             return
         self.last_heard = time.monotonic()
+        if isinstance(msg, Receive) and msg.slot >= self.slots:
+            sub.counters["rejected"] += 1
+            log.debug("dropped RECEIVE v%d for slot %d of %d", msg.version, msg.slot, self.slots)
+            return
         if isinstance(msg, _EVENTS):
             if msg.seq <= self.last_seq:
                 return  # already covered by the WELCOME
@@ -824,12 +849,12 @@ class _Agent:
             # BufferUnavailable: the segment a WELCOME named is gone — its publisher was
             # killed and the next one's start collected it. The next attempt gets the
             # new publisher's WELCOME; giving up here would strand the worker for good.
-            log.debug("re-handshake failed: %s", exc)
+            log.debug("re-handshake failed: %s", printable(exc))
 
     def _lose(self, why: str) -> None:
         sub = self.sub
         if sub._link == _Link.ACTIVE:
-            log.info("subscriber %s lost the publisher: %s", sub.worker_id, why)
+            log.info("subscriber %s lost the publisher: %s", self.worker_id, printable(why))
         with sub._cond:
             if sub._link == _Link.ACTIVE:
                 sub._link = _Link.LOST

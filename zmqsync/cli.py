@@ -77,7 +77,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     )
 
 
-def _inspect(address: str, timeout: float) -> Any:
+def _inspect(address: str, timeout: float, name: str | None = None) -> Any:
     import zmq
 
     from ._deadline import Deadline
@@ -88,7 +88,7 @@ def _inspect(address: str, timeout: float) -> Any:
 
     ctx = zmq.Context()
     try:
-        curve = client_from_env()
+        curve = client_from_env(name)
         secure = curve.apply if curve is not None else None
         reply = request(ctx, address, Inspect(""), deadline=Deadline(timeout), secure=secure)
     finally:
@@ -98,7 +98,7 @@ def _inspect(address: str, timeout: float) -> Any:
     return reply
 
 
-def _wait_for_bus(address: str, timeout: float) -> Any:
+def _wait_for_bus(address: str, timeout: float, name: str | None = None) -> Any:
     """INSPECT, retried until a publisher answers or `timeout` passes."""
     from ._deadline import Deadline
     from ._errors import ConnectTimeout
@@ -106,13 +106,13 @@ def _wait_for_bus(address: str, timeout: float) -> Any:
     deadline = Deadline(timeout)
     while True:
         try:
-            return _inspect(address, min(1.0, deadline.remaining() or 1.0))
+            return _inspect(address, min(1.0, deadline.remaining() or 1.0), name)
         except ConnectTimeout:
             if deadline.expired():
                 raise
 
 
-def _access(address: str) -> dict[str, Any]:
+def _access(address: str, name: str | None = None) -> dict[str, Any]:
     """Who besides its owner can join the bus at `address`, as far as an inspector can tell.
 
     A tcp:// bus with CURVE answers only clients with keys, so an answer to an inspector
@@ -128,7 +128,7 @@ def _access(address: str) -> dict[str, Any]:
     """
     from ._security import client_from_env, is_loopback
 
-    curve = client_from_env() is not None
+    curve = client_from_env(name) is not None
     open_to: str | None = None
     if address.startswith("tcp://") and not curve:
         open_to = "local users" if is_loopback(address) else "network"
@@ -151,8 +151,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from ._protocol import to_plain
     from .relay import inspect_relays, print_relays
 
-    reply = _inspect(_address(args), args.timeout)
-    access = _access(_address(args))
+    reply = _inspect(_address(args), args.timeout, args.name)
+    access = _access(_address(args), args.name)
     relays = inspect_relays(_address(args), min(args.timeout, 1.0))  # None: no relay root
     if args.json:
         plain = to_plain(reply)
@@ -261,9 +261,9 @@ def cmd_sniff(args: argparse.Namespace) -> int:
             summary = Summary(set())
         else:
             state = (
-                _wait_for_bus(_address(args), args.timeout)
+                _wait_for_bus(_address(args), args.timeout, args.name)
                 if args.wait
-                else _inspect(_address(args), args.timeout)
+                else _inspect(_address(args), args.timeout, args.name)
             )
             sniffer = stack.enter_context(Sniffer(state, _address(args)))
             if sniffer.fallback:

@@ -90,13 +90,19 @@ class Header:
         return -1 if value == _EMPTY else value
 
     def latest(self) -> tuple[int, int] | None:
-        """(version, slot) last announced by the writer, or None while unknown."""
+        """(version, slot) last announced by the writer, or None while unknown.
+
+        A slot outside the segment (the header is the publisher's to write, and a
+        hostile one may write anything) is unknown too, never an index to use.
+        """
         w = self._words
         for _ in range(1000):
             lock = w[_LATEST_LOCK]
             version, slot = w[_LATEST_VERSION], w[_LATEST_SLOT]
             if not lock & 1 and w[_LATEST_LOCK] == lock:
-                return None if version == _EMPTY else (version, slot)
+                if version == _EMPTY or slot >= min(w[_SLOTS], MAX_SLOTS):
+                    return None
+                return version, slot
         return None
 
     def release(self) -> None:

@@ -40,7 +40,6 @@ import logging
 import os
 import re
 import secrets
-import socket
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -48,7 +47,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._config import check_name, default_address
+from .._config import check_name, default_address, default_worker_id
 from .._config import shm_dir as resolve_shm_dir
 from .._publisher import Publish, Publisher
 from .._subscriber import Subscriber
@@ -233,7 +232,7 @@ class ZmqWeightSyncScheme(WeightSyncScheme):  # type: ignore[misc]
         if self._attach_only:  # workers join the bus by its address, resolved here
             self._address = self._address or default_address(self._name or "weights")
             self._shm_dir = resolve_shm_dir(self._shm_dir)
-            self._worker_id = self._worker_id or f"{socket.gethostname()}-{os.getpid()}"
+            self._worker_id = self._worker_id or default_worker_id()
             return
         source = self._source(context, model, weights)
         name = self._name or _generated_name(self.model_id)
