@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
+import socket
+import stat
 import threading
 import time
 
@@ -15,6 +18,7 @@ import zmq
 import zmqsync
 from zmqsync._config import runtime_dir
 from zmqsync._protocol import PROTO, Ack, Hello, Inspect, State, decode, encode
+from zmqsync.cli import main as cli_main
 
 
 class _Canary:
@@ -366,6 +370,33 @@ def test_curve_lets_in_allowed_clients_only(ctx, name):
         assert not spy.poll(1000)
         spy.close()
         assert pub.workers == {}
+
+
+def test_curve_is_one_flag_away_on_one_host(ctx, name, bus_dirs, caplog):
+    runtime, _ = bus_dirs
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    address = f"tcp://127.0.0.1:{port}"
+    keys = runtime / f"{name}.curve"
+    with zmqsync.Publisher({"w": torch.zeros(4)}, address, name=name, curve=True) as pub:
+        assert keys.exists() and stat.S_IMODE(keys.stat().st_mode) == 0o600
+        # subscribers and the CLI of this name find the keys in the runtime dir
+        with zmqsync.Subscriber(address, name=name) as sub:
+            pub.publish()
+            assert sub.version == 1
+        assert cli_main(["inspect", address, "--name", name, "--json"]) == 0
+        # whoever cannot read them gets nothing
+        keys_copy = keys.read_bytes()
+        keys.unlink()
+        with pytest.raises(zmqsync.ConnectTimeout):
+            zmqsync.Subscriber(address, name=name, timeout=1.0).start()
+        keys.write_bytes(keys_copy)
+    assert not keys.exists(), "the publisher removes its client keys when it closes"
+    with caplog.at_level(logging.WARNING, logger="zmqsync"):
+        with zmqsync.Publisher({"w": torch.zeros(4)}, address, name=name):
+            pass
+    assert "has no CURVE: any local user can inspect this bus" in caplog.text
 
 
 def test_hello_storm_is_throttled_and_capped(ctx, name):
