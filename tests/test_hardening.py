@@ -232,7 +232,10 @@ def _recv_exactly(sock: socket.socket, n: int) -> bytes:
     return data
 
 
-def test_subscriptions_other_than_everything_cost_the_publisher_nothing(ctx, spawn, name):
+@pytest.mark.parametrize("kind", ["huge", "distinct"])
+def test_subscriptions_other_than_everything_cost_the_publisher_nothing(ctx, spawn, name, kind):
+    """16 MiB subscriptions (before: 233 MB -> 3 GB), or a stream of distinct small ones
+    (libzmq keeps each, ~1 KiB, until the peer leaves), on events and tap over tcp."""
     port = _free_port()
     victim, started = _victim(spawn, name, "--address", f"tcp://127.0.0.1:{port}", "--tap")
     address = started["address"]
@@ -240,29 +243,23 @@ def test_subscriptions_other_than_everything_cost_the_publisher_nothing(ctx, spa
     state = _inspect(ctx, address)
     huge = b"\x01" + b"s" * (16 * 2**20 - 64)
 
-    def attack(stop, endpoint, distinct):
+    def attack(stop, endpoint):
         peer = _Zmtp(endpoint, b"XSUB")
         try:
             while not stop.is_set():
-                # a fresh prefix every time: libzmq keeps each in a tree until the peer
-                # leaves, about 1 KiB each
-                peer.send(b"\x01" + os.urandom(12) if distinct else huge)
+                peer.send(huge if kind == "huge" else b"\x01" + os.urandom(12))
         finally:
             peer.close()
 
-    attackers = [
-        lambda stop: attack(stop, state.events, False),
-        lambda stop: attack(stop, state.tap, False),
-        lambda stop: attack(stop, state.events, True),
-        lambda stop: attack(stop, state.events, True),
-        lambda stop: attack(stop, state.tap, True),
-    ]
+    endpoints = [state.events, state.tap] + ([state.events] if kind == "distinct" else [])
+    attackers = [lambda stop, e=e: attack(stop, e) for e in endpoints]
     records = _under_attack(victim, attackers, seconds=5)
     _assert_kept_publishing(records)
     after = _inspect(ctx, address)
-    assert after.counters.get("dropped_peers", 0) > 0
+    if kind == "distinct":
+        assert after.counters.get("dropped_peers", 0) > 0
     done = _end(victim)
-    assert done["peak_rss_mb"] < 600, f"the publisher grew to {done['peak_rss_mb']:.0f} MB"
+    assert done["peak_rss_mb"] < 400, f"the publisher grew to {done['peak_rss_mb']:.0f} MB"
     worker.kill()
 
 
@@ -275,7 +272,8 @@ def test_connections_beyond_the_fd_limit_are_refused_not_fatal(ctx, spawn, name,
     held: list[_Zmtp] = []
     try:
         for i in range(1100):  # as fast as one process can: the gate must keep up
-            suffix, kind = ("", b"DEALER") if i % 10 == 0 else kinds[i % 2]
+            # mostly acks: events and tap also limit how fast connections come
+            suffix, kind = ("", b"DEALER") if i % 10 == 0 else kinds[int(i % 10 == 1)]
             peer = _Zmtp(address + suffix, kind)  # through the handshake: it stays
             with contextlib.suppress(OSError):
                 peer.sock = peer._connect()
@@ -412,7 +410,7 @@ def test_a_subscriber_collected_in_a_reference_cycle_says_bye(name):
         assert pub.counters.get("lost", 0) == 0
 
 
-def test_a_publisher_collected_on_its_own_thread_still_cleans_up(name, bus_dirs):
+def test_a_finalized_publisher_stops_its_agent_and_leaves_nothing(name, bus_dirs):
     _, shm = bus_dirs
     pub = zmqsync.Publisher({"w": torch.zeros(4)}, name=name).start()
     agent = pub._agent

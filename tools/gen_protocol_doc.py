@@ -78,9 +78,15 @@ NOTES: dict[type[Any], str] = {
     P.Hello: """\
 A subscriber sends an empty `bus`. A non-empty `bus` must be the publisher's own, or the
 answer is ERROR (a publisher that restarted has a new `bus`). The publisher also answers
-ERROR while it is closing. A HELLO with a `worker_id` already on the bus replaces that
-member: the new process gets a new `session`, and messages carrying the old one are
-ignored.
+ERROR while it is closing. A worker id belongs to one live session: a HELLO with a
+`worker_id` whose session is still alive (heard from within six heartbeats) is answered
+ERROR `busy: worker id … is in use by a live worker …`, unless its `session` is that
+session, which proves the same process is re-joining (a subscriber retries "busy"
+answers until its deadline). When a HELLO replaces a member, the new one gets a new
+`session`, messages carrying the old one are ignored, and a STOP for the old session
+goes out on events (reason `replaced`). If the old session belonged to the same process,
+the slot it may still compute with stays protected until the new session acks or the old
+one goes silent.
 
 `transport` is what the worker asks for: `"cuda"` when it computes on a GPU (or has no
 model and sees one), else `"cpu"`. On a bus without CUDA buffers every worker reads the
@@ -144,13 +150,16 @@ already serves its `ipc://` address (it refuses to start if one answers).""",
     P.State: """\
 `workers[].last_seen` is seconds since that worker's last message, not a timestamp.
 `counters` includes publishes, handshakes, acks, stale, rejected, timeouts, evictions,
-lost (a counter appears once it is non-zero).""",
+lost, refused_ids, dropped_peers (a counter appears once it is non-zero), and always
+`connections` (open now) and `refused_connections` (closed by the publisher because the
+bus was full; see docs/security.md).""",
     P.Tap: """\
 The tap is off by default (`Publisher(tap=True)` or `ZMQSYNC_TAP=1` turns it on); WELCOME
 and STATE name its endpoint. Each TAP wraps one frame the publisher sent (`dir` "out") or
 received (`dir` "in"), valid or not, so a sniffer decodes it with the same `decode` and
 sees rejected frames too (truncated to 4096 bytes). Handle bytes in a WELCOME are
-replaced by empty bytes. The tap socket has a small high-water mark and `XPUB_NODROP`:
+replaced by empty bytes, and every `session` (HELLO, WELCOME, ACK, HEARTBEAT, BYE, STOP)
+by a keyed hash of it: the same stand-in for the same session, worthless on the bus. The tap socket has a small high-water mark and `XPUB_NODROP`:
 when a sniffer is slow or stopped the publisher's send fails at once and the frame is
 counted as `tap_dropped`; the bus never waits for a sniffer.""",
     P.Error: """\

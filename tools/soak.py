@@ -10,7 +10,8 @@ a worker (a straggler or slow consumer), SIGKILL of the publisher (restarted: ne
 new buffers) and a graceful publisher restart.
 
 It checks that every version a worker applied matches the checksum the trainer stored in
-it (torn or wrong versions: must be 0), that versions only increase within one bus,
+it (torn or wrong versions: must be 0), that versions only increase within one bus (per
+worker process: a restarted worker may start where the killed one stopped),
 that no publish overran its deadline and that every live worker converges to the newest
 version after the faults stop (hangs: must be 0), and that nothing is left in the shm
 dir after a clean shutdown and one `zmqsync gc` (leaked segments: must be 0). Ends with
@@ -91,6 +92,7 @@ class Soak:
         self.last_output = time.monotonic()
         self.latest: tuple[str, int] = ("", -1)  # (bus, version) last published
         self.worker_state: dict[str, tuple[str, int]] = {}
+        self.reporter: dict[str, Child] = {}  # the process whose record worker_state holds
         self.bad: list[dict[str, Any]] = []
         self.trainer: Child | None = None
         self.armed = False
@@ -173,10 +175,18 @@ class Soak:
                 self.counts["torn_or_wrong"] += 1
                 self.bad.append(rec)
             prev = self.worker_state.get(rec["worker"])
-            if prev is not None and prev[0] == rec["bus"] and rec["version"] <= prev[1]:
+            # A process applies each version once; a new process under the same id (a
+            # killed worker restarted) may start at the version the old one had last.
+            same = self.reporter.get(rec["worker"]) is child
+            if (
+                prev is not None
+                and prev[0] == rec["bus"]
+                and (rec["version"] <= prev[1] if same else rec["version"] < prev[1])
+            ):
                 self.counts["version_went_back"] += 1
                 self.bad.append({**rec, "previous": prev})
             self.worker_state[rec["worker"]] = (rec["bus"], rec["version"])
+            self.reporter[rec["worker"]] = child
 
     # --- faults ---
 

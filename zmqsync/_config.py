@@ -62,7 +62,7 @@ WORKER_RCVHWM = 256
 # 10-byte SUBSCRIBE command of ZMTP 3.1. The limit also applies to the handshake's own
 # commands, and CURVE's INITIATE is ~300 bytes.
 SUBSCRIPTION_MAX_BYTES = 512
-SUBSCRIPTION_RCVHWM = 16
+SUBSCRIPTION_RCVHWM = 1  # one subscription per connection is all a subscriber sends
 EVENT_MAX_BYTES = 4 * 1024  # RECEIVE, STOP or HEARTBEAT, as a subscriber gets them
 DRAIN_MAX = 1024
 DRAIN_BYTES = 1024 * 1024

@@ -72,16 +72,22 @@ class Gate:
 
     Two rules, because connections mean two things. A worker's connections (events,
     acks, tap) last as long as it is on the bus: past `limit` together, a new one is
-    refused, and the workers already there keep theirs. A control connection carries one
-    request and its reply (a handshake, an inspection): past `control_limit`, the
-    *oldest* one is closed to make room, so a peer holding control connections open
-    cannot keep a new worker from hearing "bus full" or an operator from inspecting.
+    refused, and the workers already there keep theirs. On the XPUB sockets (events,
+    tap) new connections are also rate-limited: a peer there can make libzmq keep
+    subscriptions until it is dropped, so one that reconnects as fast as it is dropped
+    must not get a fresh allowance faster than `connect_rate` per second. A control
+    connection carries one request and its reply (a handshake, an inspection): past
+    `control_limit`, the *oldest* one is closed to make room, so a peer holding control
+    connections open cannot keep a new worker from hearing "bus full" or an operator
+    from inspecting.
 
     Only the thread that owns the sockets uses it.
     """
 
-    def __init__(self, limit: int, control_limit: int, fd_limit: int) -> None:
+    def __init__(self, limit: int, control_limit: int, fd_limit: int, connect_rate: float) -> None:
         self.limit = limit
+        self.connect_rate = connect_rate
+        self._tokens: dict[zmq.Socket[bytes], tuple[float, float]] = {}  # (tokens, at)
         self.control_limit = control_limit
         self.fd_limit = fd_limit
         self.refused = 0  # connections closed by this gate, of either kind
@@ -105,7 +111,12 @@ class Gate:
         return self.count + more > self.limit
 
     def watch(
-        self, sock: zmq.Socket[bytes], endpoint: str, control: bool = False
+        self,
+        sock: zmq.Socket[bytes],
+        endpoint: str,
+        *,
+        control: bool = False,
+        rate_limited: bool = False,
     ) -> zmq.Socket[bytes]:
         """Start counting `sock`'s connections; returns the monitor socket to poll."""
         monitor = sock.get_monitor_socket(_WATCHED)
@@ -113,7 +124,19 @@ class Gate:
         self._local[monitor] = endpoint
         if control:
             self._control = monitor
+        if rate_limited:
+            self._tokens[monitor] = (2 * self.connect_rate, time.monotonic())
         return monitor
+
+    def _admit(self, monitor: zmq.Socket[bytes]) -> bool:
+        """Take one of `monitor`'s connection tokens (a bucket of 2 s worth), if any."""
+        if monitor not in self._tokens:
+            return True
+        tokens, at = self._tokens[monitor]
+        now = time.monotonic()
+        tokens = min(2 * self.connect_rate, tokens + (now - at) * self.connect_rate)
+        self._tokens[monitor] = (tokens - 1, now) if tokens >= 1 else (tokens, now)
+        return tokens >= 1
 
     def monitors(self) -> list[zmq.Socket[bytes]]:
         return list(self._live)
@@ -138,27 +161,39 @@ class Gate:
                     del live[oldest]
                     self._refuse(oldest, endpoint, "the oldest control connection closed")
                 live[fd] = None
-            elif self.count < self.limit:
-                live[fd] = None
-            else:
+            elif self.count >= self.limit:
                 self._refuse(fd, endpoint, "new connections are dropped")
+            elif not self._admit(monitor):
+                self._refuse(fd, endpoint, "connecting faster than allowed", full=False)
+            else:
+                live[fd] = None
 
-    def _refuse(self, fd: int, endpoint: str, what: str) -> None:
+    def _refuse(self, fd: int, endpoint: str, what: str, full: bool = True) -> None:
         shutdown_fd(fd, endpoint)
         self.refused += 1
         now = time.monotonic()
-        if now - self._warned_at >= _WARN_EVERY_S:
-            self._warned_at = now
+        if now - self._warned_at < _WARN_EVERY_S:
+            return
+        self._warned_at = now
+        if not full:
             log.warning(
-                "bus at %s is full: %d connections, the most its file descriptor limit "
-                "(%d) allows; %s (%d so far). Raise `ulimit -n` (the hard limit) or run "
-                "fewer workers",
+                "bus at %s: new connections refused, %s (%.0f per second; %d so far)",
                 endpoint,
-                self.total,
-                self.fd_limit,
                 what,
+                self.connect_rate,
                 self.refused,
             )
+            return
+        log.warning(
+            "bus at %s is full: %d connections, the most its file descriptor limit "
+            "(%d) allows; %s (%d so far). Raise `ulimit -n` (the hard limit) or run "
+            "fewer workers",
+            endpoint,
+            self.total,
+            self.fd_limit,
+            what,
+            self.refused,
+        )
 
     def close(self) -> None:
         for monitor in self._live:

@@ -91,11 +91,12 @@ from ._sockets import (
     Drain,
     bind,
     connect,
-    drop_peer,
     post,
     protect_ipc,
     readable,
+    shutdown_fd,
     sibling_endpoint,
+    source_fd,
 )
 from ._text import printable
 from ._transport import registered
@@ -894,6 +895,7 @@ class _Agent:
         self.closed = False  # the sockets are closed (set under `_io`)
         self._auth: Authenticator | None = None
         self._tap_key = secrets.token_bytes(16)  # see `_redacted`
+        self._orphaned = False  # stop() was called on this thread (see stop)
         self._tokens = float(shared.handshake_rate)
         self._tokens_at = time.monotonic()
 
@@ -912,7 +914,9 @@ class _Agent:
     def stop(self) -> None:
         if threading.current_thread() is self._thread:
             # The garbage collector finalized an unclosed Publisher on this very thread:
-            # the loop sees the command, says STOP and closes the sockets on its way out.
+            # the loop sees the command, says STOP, closes the sockets on its way out and
+            # releases the rest itself (it cannot wait for itself here).
+            self._orphaned = True
             self.command(b"stop")
             return
         if self._thread.is_alive():
@@ -920,6 +924,9 @@ class _Agent:
             self._thread.join(_config.CLOSE_BYE_WAIT_S + _config.THREAD_JOIN_S)
             if self._thread.is_alive():
                 log.warning("publisher agent thread did not stop within its deadline")
+        self._release()
+
+    def _release(self) -> None:
         with self.shared.pipe_lock:
             self._pipe_in.close()
         if self._auth is not None:
@@ -962,6 +969,8 @@ class _Agent:
                 if endpoint.startswith("ipc://"):
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(endpoint[len("ipc://") :])
+            if self._orphaned:
+                self._release()
 
     def _bind(self) -> None:
         address, shared = self.shared.address, self.shared
@@ -975,6 +984,7 @@ class _Agent:
             shared.max_connections - _config.CONTROL_CONNECTIONS,
             _config.CONTROL_CONNECTIONS,
             shared.fd_limit,
+            shared.handshake_rate,  # a worker connects to events once per handshake
         )
         self.control = bind(
             self.ctx,
@@ -1028,7 +1038,8 @@ class _Agent:
             if sock is not None:
                 protect_ipc(sock, shared.gid)
                 endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-                self.gate.watch(sock, endpoint, control=sock is self.control)
+                xpub = sock is self.events or sock is self.tap
+                self.gate.watch(sock, endpoint, control=sock is self.control, rate_limited=xpub)
         self._ack_poller = zmq.Poller()  # for the thread that holds `_io`
         self._ack_poller.register(self.acks, zmq.POLLIN)
         self.acks.rcvtimeo = int(_COLLECT_WAIT_S * 1000)  # only `collect` blocks in recv
@@ -1055,9 +1066,17 @@ class _Agent:
         while True:
             wake = min(next_beat, next_service)
             ready = dict(poller.poll(max(0, int((wake - time.monotonic()) * 1000)) + 1))
-            for monitor in monitors:
+            for monitor in monitors:  # needs no socket of the bus: not under `_io`
                 if monitor in ready:
                     self.gate.on_event(monitor)
+            now = time.monotonic()
+            if not (
+                self.pipe in ready
+                or self.control in ready
+                or now >= next_service
+                or now >= next_beat
+            ):
+                continue  # woken only by connections: leave `_io` to a publishing thread
             if not io.acquire(timeout=IO_LOCK_S):
                 raise ZmqSyncError("a publishing thread held the sockets for too long")
             try:
@@ -1435,19 +1454,28 @@ class _Agent:
         A subscriber subscribes to everything (an empty prefix), once per connection,
         and the welcome frame did the rest. libzmq keeps every other subscription a peer
         sends in a tree, ~1 KiB per distinct prefix, until that peer leaves: a peer that
-        sends one is disconnected here, which frees it. Unsubscriptions cost nothing
-        (libzmq also makes them itself when a peer leaves).
+        sends one is disconnected here, once, which frees it. Unsubscriptions cost
+        nothing (libzmq also makes them itself when a peer leaves). A flood is read as
+        fast as it comes: per frame one recv and a comparison.
         """
-        budget = Drain()
+        # Read all there is (up to a bound): each junk frame left waiting is a peer not
+        # dropped yet, feeding libzmq more subscriptions with every socket call.
+        budget, rejected, dropped, seen = Drain(frames=16 * _config.DRAIN_MAX), 0, 0, set()
         while readable(sock):
             frame = sock.recv(copy=False)
             data = frame.bytes
             if data[:1] != b"\x00" and data != _SUBSCRIBE_ALL:
-                self._count("rejected")
-                if drop_peer(frame, endpoint):
-                    self._count("dropped_peers")
+                rejected += 1
+                fd = source_fd(frame)
+                if fd is not None and fd not in seen:
+                    seen.add(fd)
+                    dropped += shutdown_fd(fd, endpoint)
             if not budget.spend(len(data)):
-                return
+                break
+        if rejected:
+            with self.shared.lock:
+                self.shared.counters["rejected"] += rejected
+                self.shared.counters["dropped_peers"] += dropped
 
     def _count(self, what: str) -> None:
         with self.shared.lock:
