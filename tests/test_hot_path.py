@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import zmqsync
-from zmqsync import _layout
+from zmqsync import _copy
 from zmqsync._layout import ModuleReader, flatten
 
 
@@ -24,12 +24,12 @@ def copy_loop(request, monkeypatch):
     """The byte copies through the native loop (on one thread, or every one shared among
     three), or (not built) from Python."""
     if request.param == "python":
-        monkeypatch.setattr(_layout, "NATIVE_COPY", None)
+        monkeypatch.setattr(_copy, "NATIVE_COPY", None)
     else:
-        assert _layout.NATIVE_COPY is not None
+        assert _copy.NATIVE_COPY is not None
     if request.param == "shared":
-        monkeypatch.setattr(_layout, "SHARED_COPY_MIN", 1)
-        monkeypatch.setattr(_layout, "COPY_THREADS", 3)
+        monkeypatch.setattr(_copy, "SHARED_COPY_MIN", 1)
+        monkeypatch.setattr(_copy, "COPY_THREADS", 3)
     return request.param
 
 

@@ -13,11 +13,10 @@ import torch
 from tensordict import TensorDict
 
 import zmqsync
-from zmqsync import _layout
+from zmqsync import _copy
+from zmqsync._copy import BYTE_COPY_MAX, ByteCopies
 from zmqsync._layout import (
-    BYTE_COPY_MAX,
     PAGE,
-    ByteCopies,
     Layout,
     flatten,
     to_tensordict,
@@ -410,13 +409,13 @@ def test_the_native_copy_loop_is_built():
     """The README's install compiles it (gcc is part of this machine's setup). Without it
     every copy still works, from Python, and a 2,000-tensor worker spends ~50% more CPU
     per version (docs/benchmarks.md): a silent fallback here would go unnoticed."""
-    assert _layout.NATIVE_COPY is not None, "zmqsync._native was not built: pip install -e ."
+    assert _copy.NATIVE_COPY is not None, "zmqsync._native was not built: pip install -e ."
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
 def test_byte_copies_write_exactly_the_planned_ranges(monkeypatch, native):
     if not native:
-        monkeypatch.setattr(_layout, "NATIVE_COPY", None)
+        monkeypatch.setattr(_copy, "NATIVE_COPY", None)
     sizes = [0, 1, 7, 4096, BYTE_COPY_MAX, BYTE_COPY_MAX + 1, 3 << 20]
     sources = [torch.randint(0, 256, (n,), dtype=torch.uint8) for n in sizes]
     targets = [torch.zeros(n + 16, dtype=torch.uint8) for n in sizes]  # 8 guard bytes a side
@@ -438,7 +437,7 @@ def test_a_native_copy_shared_among_threads_writes_exactly_the_planned_ranges(th
     """The helpers take 512 KiB chunks of the plan's bytes: chunks start and end inside
     ranges, ranges (0 and 1 byte among them) fall inside one chunk, and with thousands of
     ranges each chunk finds its first one by a search."""
-    copy_many = _layout.NATIVE_COPY
+    copy_many = _copy.NATIVE_COPY
     assert copy_many is not None
     if ranges == "few":
         sizes = [(1 << 20) + 3, 0, 1, 5, (512 << 10) - 1, 3 << 20, 77, (2 << 20) + 1]
@@ -459,8 +458,8 @@ def test_a_native_copy_shared_among_threads_writes_exactly_the_planned_ranges(th
 
 
 def test_byte_copies_share_only_a_big_plan_among_threads(monkeypatch):
-    monkeypatch.setattr(_layout, "COPY_THREADS", 3)
-    big = [torch.zeros(_layout.SHARED_COPY_MIN // 2, dtype=torch.uint8) for _ in range(4)]
+    monkeypatch.setattr(_copy, "COPY_THREADS", 3)
+    big = [torch.zeros(_copy.SHARED_COPY_MIN // 2, dtype=torch.uint8) for _ in range(4)]
     plan = [(big[0].data_ptr(), big[1].data_ptr(), big[0].numel())]
     assert ByteCopies(plan).threads == 1
     plan.append((big[2].data_ptr(), big[3].data_ptr(), big[2].numel()))
@@ -469,7 +468,7 @@ def test_byte_copies_share_only_a_big_plan_among_threads(monkeypatch):
     assert copies.threads == 3
     copies.run()
     assert bool((big[2] == 9).all())
-    monkeypatch.setattr(_layout, "NATIVE_COPY", None)
+    monkeypatch.setattr(_copy, "NATIVE_COPY", None)
     assert ByteCopies(plan).threads == 1, "the Python fallback copies on this thread"
 
 
@@ -480,15 +479,15 @@ def test_copy_threads_come_from_the_environment(monkeypatch, setting, expected):
     monkeypatch.setenv("ZMQSYNC_COPY_THREADS", setting)
     if expected is None:
         with pytest.raises(ValueError, match="ZMQSYNC_COPY_THREADS"):
-            _layout._copy_threads()
+            _copy._copy_threads()
     else:
-        assert _layout._copy_threads() == expected
+        assert _copy._copy_threads() == expected
     monkeypatch.delenv("ZMQSYNC_COPY_THREADS")
-    assert 1 <= _layout._copy_threads() <= 4
+    assert 1 <= _copy._copy_threads() <= 4
 
 
 def test_the_native_copy_refuses_a_plan_that_is_not_whole_triples():
-    copy_many = _layout.NATIVE_COPY
+    copy_many = _copy.NATIVE_COPY
     assert copy_many is not None
     with pytest.raises(ValueError, match="triples"):
         copy_many(array("Q", [1, 2]))  # refused before any address is touched

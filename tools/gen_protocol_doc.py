@@ -159,9 +159,10 @@ and STATE name its endpoint. Each TAP wraps one frame the publisher sent (`dir` 
 received (`dir` "in"), valid or not, so a sniffer decodes it with the same `decode` and
 sees rejected frames too (truncated to 4096 bytes). Handle bytes in a WELCOME are
 replaced by empty bytes, and every `session` (HELLO, WELCOME, ACK, HEARTBEAT, BYE, STOP)
-by a keyed hash of it: the same stand-in for the same session, worthless on the bus. The tap socket has a small high-water mark and `XPUB_NODROP`:
-when a sniffer is slow or stopped the publisher's send fails at once and the frame is
-counted as `tap_dropped`; the bus never waits for a sniffer.""",
+by a keyed hash of it: the same stand-in for the same session, worthless on the bus.
+The tap socket has a small high-water mark and `XPUB_NODROP`: when a sniffer is slow or
+stopped the publisher's send fails at once and the frame is counted as `tap_dropped`;
+the bus never waits for a sniffer.""",
     P.Error: """\
 The REP socket answers every request, so a REQ peer never stays stuck in its
 send/receive lockstep. A frame that does not decode, has more than one part, names

@@ -40,20 +40,20 @@ from collections.abc import Callable
 import torch
 
 import zmqsync
-from zmqsync import _layout
+from zmqsync import _copy
 from zmqsync._bench_worker import make_model
 
 # Each worker reads lines on stdin: "shared" / "single" sets how its next plans copy.
 _WORKER = r"""
 import sys, zmqsync
-from zmqsync import _layout
+from zmqsync import _copy
 from zmqsync._bench_worker import make_model
 name, nbytes, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-default = _layout.COPY_THREADS
+default = _copy.COPY_THREADS
 model = make_model("mlp", nbytes, fill=False)[0]
 with zmqsync.Subscriber(name=name, model=model, mode=mode) as sub:
     for line in sys.stdin:
-        _layout.COPY_THREADS = default if line.strip() == "shared" else 1
+        _copy.COPY_THREADS = default if line.strip() == "shared" else 1
         if sub._target is not None:  # the next version plans its copies again
             sub._target.forget_views()
         print("ok", flush=True)
@@ -77,7 +77,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.micro:
         return _micro(args.size << 20, busy=args.busy)
-    if _layout.COPY_THREADS < 2 or _layout.NATIVE_COPY is None:
+    if _copy.COPY_THREADS < 2 or _copy.NATIVE_COPY is None:
         parser.error("needs the native loop and 2+ CPUs (ZMQSYNC_COPY_THREADS unset)")
     nbytes = args.size << 20
     rundir = tempfile.mkdtemp(prefix="zmqsync-ab-")
@@ -135,7 +135,7 @@ def main() -> int:
 
 def _micro(nbytes: int, *, busy: bool) -> int:
     """Median and worst of 1 s of copies per way, the ways interleaved copy by copy."""
-    copy_many = _layout.NATIVE_COPY
+    copy_many = _copy.NATIVE_COPY
     if copy_many is None:
         raise SystemExit("needs the native loop")
     src = torch.ones(nbytes, dtype=torch.uint8)
@@ -144,7 +144,7 @@ def _micro(nbytes: int, *, busy: bool) -> int:
     ways: dict[str, Callable[[], object]] = {
         "one thread (memmove)": lambda: ctypes.memmove(dst.data_ptr(), src.data_ptr(), nbytes),
         f"torch copy_ ({torch.get_num_threads()} threads)": lambda: dst.copy_(src),
-        f"shared ({_layout.COPY_THREADS} threads)": lambda: copy_many(plan, _layout.COPY_THREADS),
+        f"shared ({_copy.COPY_THREADS} threads)": lambda: copy_many(plan, _copy.COPY_THREADS),
     }
     spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if busy else None
     times: dict[str, list[float]] = {way: [] for way in ways}

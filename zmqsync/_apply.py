@@ -10,18 +10,16 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 import torch
 
+from ._copy import CopyPlan
 from ._errors import LayoutMismatch
 from ._layout import (
-    ByteCopies,
     Key,
     Layout,
-    bytes_are_values,
     flatten,
     to_tensordict,
     torch_dtype,
@@ -70,7 +68,7 @@ class Target:
                     f"the model does not match the bus: {exc}".replace("publish() got", "it has")
                 ) from None
         # per slot view mapping (kept alive in the tuple, so its id is not reused)
-        self._copy_plans: dict[int, tuple[Mapping[Key, torch.Tensor], _CopyPlan]] = {}
+        self._copy_plans: dict[int, tuple[Mapping[Key, torch.Tensor], CopyPlan]] = {}
         self._binders: dict[int, tuple[Mapping[Key, torch.Tensor], list[_Binder]]] = {}
         if mode == "alias":
             wrong = sorted(
@@ -102,7 +100,7 @@ class Target:
         """
         plan = self._copy_plans.get(id(views))
         if plan is None or plan[0] is not views or not plan[1].still_valid():
-            plan = (views, _CopyPlan.of(self.tensors, views))
+            plan = (views, CopyPlan.of(self.tensors, views))
             self._copy_plans[id(views)] = plan
         plan[1].run()
 
@@ -139,7 +137,6 @@ def _home(key: Key, mode: str, device: str | None, views: Mapping[Key, torch.dev
 
 
 _Binder = tuple[Callable[[torch.Tensor], None], torch.Tensor]
-_Pairs = tuple[list[torch.Tensor], list[torch.Tensor]]
 
 
 def _binders(model: Any, views: Mapping[Key, torch.Tensor]) -> list[_Binder]:
@@ -165,62 +162,3 @@ def _module_setter(module: torch.nn.Module, key: Key) -> Callable[[torch.Tensor]
     if param is not None:  # keep the Parameter object: optimizers and hooks hold it
         return partial(setattr, param, "data")
     return partial(owner._buffers.__setitem__, name)
-
-
-@dataclass(frozen=True)
-class _CopyPlan:
-    """One slot's copies, grouped once: byte copies, one foreach, the rest one by one."""
-
-    moved: list[torch.Tensor]  # the destinations copied as bytes
-    addresses: list[int]  # where they were when planned
-    byte_copies: ByteCopies
-    small: _Pairs  # same device: one foreach
-    other: _Pairs  # across devices (the CUDA transport's fallback), conj/neg: one by one
-
-    @classmethod
-    def of(cls, dsts: Mapping[Key, torch.Tensor], views: Mapping[Key, torch.Tensor]) -> _CopyPlan:
-        moved: list[torch.Tensor] = []
-        moves: list[tuple[int, int, int]] = []
-        small: _Pairs = ([], [])
-        other: _Pairs = ([], [])
-        for key, dst in dsts.items():
-            src = views[key]
-            if (
-                bytes_are_values(dst)
-                and bytes_are_values(src)
-                and dst.dtype == src.dtype
-                and dst.data_ptr() != 0  # an empty (freed) storage: let torch say so
-            ):
-                moved.append(dst)
-                moves.append((dst.data_ptr(), src.data_ptr(), dst.numel() * dst.element_size()))
-            else:
-                # foreach takes neither a conj/neg destination nor one on another device
-                plain = not dst.is_conj() and not dst.is_neg()
-                pairs = small if dst.device == src.device and plain else other
-                pairs[0].append(dst)
-                pairs[1].append(src)
-        addresses = [dst for dst, _, _ in moves]
-        return cls(moved, addresses, ByteCopies(moves), small, other)
-
-    def still_valid(self) -> bool:
-        """Whether every byte-copy destination is still where the plan saw it.
-
-        The destinations are this target's own detached aliases, so no one else can
-        change their shape or strides; their storage, shared with the model, can still
-        be resized (as FSDP does to free a parameter), and that moves or frees it.
-        """
-        return list(map(_DATA_PTR, self.moved)) == self.addresses
-
-    def run(self) -> None:
-        self.byte_copies.run()
-        small, other = self.small, self.other
-        if not small[0] and not other[0]:
-            return
-        with torch.no_grad():
-            if small[0]:
-                torch._foreach_copy_(*small)
-            for dst_tensor, src_tensor in zip(*other, strict=True):
-                dst_tensor.copy_(src_tensor)
-
-
-_DATA_PTR: Callable[[torch.Tensor], int] = torch.Tensor.data_ptr

@@ -9,12 +9,9 @@ so a worker computes exactly what the trainer would.
 
 from __future__ import annotations
 
-import ctypes
 import math
-import os
 import threading
 import time
-from array import array
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from functools import cached_property
@@ -29,19 +26,9 @@ if TYPE_CHECKING:
     from tensordict import TensorDictBase
 
 __all__ = [
-    "MEMMOVE_ALL_MAX",
     "Key",
     "Layout",
     "ModuleReader",
-    "BYTE_COPY_MAX",
-    "COPY_THREADS",
-    "NATIVE_COPY",
-    "SHARED_COPY_MIN",
-    "ByteCopies",
-    "shares_copy",
-    "by_view",
-    "byte_view",
-    "bytes_are_values",
     "flatten",
     "to_tensordict",
     "torch_dtype",
@@ -61,137 +48,6 @@ _DTYPE_NAMES = {dtype: name for name, dtype in _TORCH_DTYPES.items()}
 # The base class's getters: nn.Parameter's own go through __torch_function__ (8x slower).
 _SHAPE: Callable[[torch.Tensor], tuple[int, ...]] = torch._C.TensorBase.shape.__get__  # type: ignore[attr-defined]
 _DTYPE: Callable[[torch.Tensor], torch.dtype] = torch._C.TensorBase.dtype.__get__  # type: ignore[attr-defined]
-
-
-# The publisher writes a model of at most this many small tensors as bytes, one copy per
-# tensor: it comes back to each publish with cold caches (9 processes take turns on 2
-# cores in the benchmark), and torch's dispatcher and grad-mode switch touch far more
-# code than a byte copy does. More tensors go through one `_foreach_copy_`: checking
-# each source for a byte copy (`bytes_are_values`) would cost about as much.
-MEMMOVE_ALL_MAX = 64
-
-# Copies up to this many bytes go by memoryview assignment (`byte_view`), larger ones by
-# ctypes.memmove, which releases the GIL for the copy.
-BYTE_COPY_MAX = 1 << 16
-
-
-def by_view(nbytes: int) -> bool:
-    """Whether a byte copy of `nbytes` goes by `byte_view` (else by ctypes.memmove)."""
-    return 0 < nbytes <= BYTE_COPY_MAX
-
-
-def byte_view(address: int, nbytes: int) -> memoryview:
-    """The `nbytes` at `address` as a writable byte memoryview.
-
-    ``dst[:] = src`` between two of them is a memcpy without ctypes' foreign-call
-    machinery: half the CPU of `ctypes.memmove` for 8 small tensors on a cold thread
-    (3.3 against 6.7 us). It holds the GIL, so only small copies (`BYTE_COPY_MAX`) go
-    this way. The view does not own the memory: whoever keeps it must know that
-    `address` still holds `nbytes`.
-    """
-    return memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
-
-
-def _native_copy() -> Callable[..., None] | None:
-    """`_native.copy_many` when the extension was built and ZMQSYNC_NATIVE is not "0"."""
-    if os.environ.get("ZMQSYNC_NATIVE", "1") == "0":
-        return None
-    try:
-        from ._native import copy_many
-    except ImportError:  # installed without a C compiler: copies go from Python
-        return None
-    return copy_many  # type: ignore[no-any-return]
-
-
-def _copy_threads() -> int:
-    """Threads a big native copy is shared among: ZMQSYNC_COPY_THREADS, else the CPUs
-    this process may run on, at most 4 (a cap: past a few threads a copy is bound by
-    memory bandwidth; only 2 could be measured here)."""
-    setting = os.environ.get("ZMQSYNC_COPY_THREADS", "")
-    if setting:
-        try:
-            threads = int(setting)
-        except ValueError:
-            raise ValueError(
-                f"ZMQSYNC_COPY_THREADS={setting!r}: give a whole number from 1 to 64"
-            ) from None
-        if not 1 <= threads <= 64:
-            raise ValueError(f"ZMQSYNC_COPY_THREADS={threads}: give a number from 1 to 64")
-        return threads
-    return max(1, min(4, len(os.sched_getaffinity(0))))
-
-
-# Copies many byte ranges in one call without the GIL; None: not built (or turned off).
-NATIVE_COPY = _native_copy()
-COPY_THREADS = _copy_threads()
-
-# A native copy of at least this many bytes is shared among COPY_THREADS threads. Below
-# it, starting the helpers (~45 us each here) costs what the second thread saves: a
-# 4 MiB copy took 0.10 ms on one thread, 0.12 ms on two. A copy-mode publish to one
-# worker, the worker's copy shared or not (tools/shared_copy_ab.py, after a torch step
-# in the trainer): 16 MB 2.87 against 3.12 ms, 64 MB 13.2 against 14.3 ms. With the
-# other core busy a 64 MiB copy took 7.2 ms shared, 7.4 ms on one thread and 9.6 ms by
-# torch's copy_ (its OpenMP threads wait for each other).
-SHARED_COPY_MIN = 16 << 20
-
-
-def shares_copy(nbytes: int) -> bool:
-    """Whether a native copy of `nbytes` bytes is shared among `COPY_THREADS` threads."""
-    return NATIVE_COPY is not None and COPY_THREADS > 1 and nbytes >= SHARED_COPY_MIN
-
-
-class ByteCopies:
-    """Byte copies planned once (destination, source, byte count) and run many times.
-
-    With the native extension they are one call that walks the plan without the GIL: a
-    worker's copy of a 2,000-tensor model took ~130 ns of interpreter per tensor
-    otherwise, more than the bytes. A plan of `SHARED_COPY_MIN` bytes or more is shared
-    among `COPY_THREADS` threads. Without the extension, each small copy is a memoryview
-    assignment (`byte_view`) and each big one a ctypes.memmove (which drops the GIL).
-    The caller vouches that every address holds its byte count while the plan is used,
-    and that no two ranges overlap.
-    """
-
-    __slots__ = ("_native", "_plan", "_threads", "_views", "_memmoves")
-
-    def __init__(self, moves: Iterable[tuple[int, int, int]]) -> None:
-        moves = [move for move in moves if move[2]]
-        self._native = NATIVE_COPY
-        self._plan = array("Q")  # the native loop's triples; the views and memmoves otherwise
-        self._threads = 1
-        self._views: list[tuple[memoryview, memoryview]] = []
-        self._memmoves: list[tuple[int, int, int]] = []
-        if self._native is not None:
-            self._plan.extend(word for move in moves for word in move)
-            if shares_copy(sum(nbytes for _, _, nbytes in moves)):
-                self._threads = COPY_THREADS
-        else:
-            for dst, src, nbytes in moves:
-                if by_view(nbytes):
-                    self._views.append((byte_view(dst, nbytes), byte_view(src, nbytes)))
-                else:
-                    self._memmoves.append((dst, src, nbytes))
-
-    @property
-    def threads(self) -> int:
-        """How many threads one run uses."""
-        return self._threads
-
-    def run(self) -> None:
-        if self._native is not None:
-            self._native(self._plan, self._threads)
-            return
-        for dst, src in self._views:
-            dst[:] = src
-        for dst_address, src_address, nbytes in self._memmoves:
-            ctypes.memmove(dst_address, src_address, nbytes)  # releases the GIL
-
-
-def bytes_are_values(tensor: torch.Tensor) -> bool:
-    """Whether `tensor`'s memory, read as bytes from its data pointer, is its value: a
-    contiguous CPU tensor without a lazy conj/neg bit. Only such a tensor may be copied
-    by memmove."""
-    return tensor.is_cpu and tensor.is_contiguous() and not tensor.is_conj() and not tensor.is_neg()
 
 
 def torch_dtype(name: str) -> torch.dtype:

@@ -25,9 +25,7 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import dataclasses
-import functools
 import hashlib
 import logging
 import os
@@ -43,18 +41,14 @@ import torch
 import zmq
 
 from . import _config, _lifecycle
-from ._buffers import CpuSegment, CudaBuffer, SharedBuffer, collect_garbage, segment_name
+from ._buffers import CpuSegment, CudaBuffer, collect_garbage, segment_name
 from ._connections import Gate, connection_budget, open_descriptors, raise_fd_limit
 from ._deadline import Deadline
 from ._errors import ClosedError, ProtocolError, PublishTimeout, ZmqSyncError
 from ._layout import (
-    MEMMOVE_ALL_MAX,
     Key,
     Layout,
     ModuleReader,
-    by_view,
-    byte_view,
-    bytes_are_values,
     flatten,
 )
 from ._protocol import (
@@ -86,6 +80,7 @@ from ._security import (
     issue_keys,
     require_security,
 )
+from ._slots import Slots
 from ._sockets import (
     NOBLOCK,
     Drain,
@@ -275,7 +270,7 @@ class Publisher:
             else None
         )
         self._address_arg = address
-        self._slots = slots
+        self._slot_count = slots
         self._timeout = timeout
         self._on_timeout = on_timeout
         self._heartbeat = heartbeat
@@ -316,13 +311,7 @@ class Publisher:
         self._publish_lock = threading.Lock()
         self._state = "new"  # new -> started -> closed
         self._agent: _Agent | None = None
-        self._segment: CpuSegment | None = None
-        self._slot_views: list[dict[Key, torch.Tensor]] = []
-        self._write_plans: list[_WritePlan] = []
-        self._cuda: list[SharedBuffer] = []
-        self._cuda_views: list[dict[Key, torch.Tensor]] = []  # per slot: tensors on GPUs
-        self._mirrored: list[bool] = []  # per slot: the CPU segment holds its CUDA tensors
-        self._streams: list[torch.device] = []  # devices to synchronize after a write
+        self._slots: Slots | None = None  # the buffers, once started
         self._resources = contextlib.ExitStack()
         self._pid = os.getpid()
 
@@ -356,28 +345,28 @@ class Publisher:
             )
             os.makedirs(self._shm_dir, exist_ok=True)
             collect_garbage(self._shm_dir)
-            seg_name = segment_name(self.name, self.bus)
-            self._segment = stack.enter_context(
-                CpuSegment(
-                    self._shm_dir,
-                    seg_name,
-                    slots=self._slots,
-                    slot_bytes=self._layout.slot_bytes,
-                    gid=self._gid,
-                )
+            segment = CpuSegment(
+                self._shm_dir,
+                segment_name(self.name, self.bus),
+                slots=self._slot_count,
+                slot_bytes=self._layout.slot_bytes,
+                gid=self._gid,
             )
-            segment = self._segment
-            self._slot_views = [self._layout.views(segment.slot(i)) for i in range(self._slots)]
-            self._start_cuda(stack)
-            self._write_plans = [self._write_plan(slot) for slot in range(self._slots)]
-            self._write(0, 0, flatten(self._source), mirror=False)
-            self._registry.record(0, 0)
-            self._shared.buffers = self._buffer_infos()
-            self._shared.cuda = bool(self._cuda)
-            if self._cuda:
-                self._shared.fill_mirror = functools.partial(
-                    _fill_mirror, self._slot_views, self._cuda_views, self._mirrored
+            stack.enter_context(segment)
+            cuda = [
+                stack.enter_context(
+                    _DEVICE_BUFFER(
+                        device, slots=self._slot_count, slot_bytes=self._layout.slot_bytes
+                    )
                 )
+                for device in self._cuda_devices  # one dedicated buffer per GPU
+            ]
+            slots = self._slots = Slots(self._layout, segment, cuda)
+            slots.write(0, 0, flatten(self._source), mirror=False)
+            self._registry.record(0, 0)
+            self._shared.buffers = slots.describe()
+            self._shared.cuda = slots.cuda
+            self._shared.fill_mirror = slots.fill_mirror if slots.cuda else None
             self._agent = _Agent(self._shared)
             self._agent.start()
             stack.callback(self._agent.stop)
@@ -391,7 +380,7 @@ class Publisher:
             self.address,
             len(self._layout.specs),
             self._layout.nbytes / 2**20,
-            self._slots,
+            self._slot_count,
         )
         if self.address.startswith("tcp://") and self._curve is None:
             who = "any local user" if is_loopback(self.address) else "anyone who reaches it"
@@ -417,7 +406,7 @@ class Publisher:
         if self._agent is not None:
             self._agent.command(b"stop")
         self._resources.close()
-        self._slot_views, self._cuda_views, self._write_plans = [], [], []
+        self._slots = None
         log.info("publisher %r closed at version %d", self.name, self._registry.latest)
 
     def __enter__(self) -> Publisher:
@@ -471,8 +460,14 @@ class Publisher:
         workers: Iterable[str] | None = None,
         timeout: float | None = DEFAULT,
         version: int | None = None,
+        fill: Callable[[torch.Tensor], None] | None = None,
+        slot: int | None = None,
     ) -> Publish:
         """Write a new version into a free slot, announce it, and (by default) wait for acks.
+
+        The steps, in order: read and check the weights; claim a slot no worker holds
+        (waiting for acks if need be); write it under the seqlock; announce it (RECEIVE);
+        wait for the acks.
 
         Args:
             weights: tensors to publish instead of re-reading the source (same keys,
@@ -482,6 +477,11 @@ class Publisher:
             timeout: one deadline for the whole publish; left out: the publisher's.
             version: the number to publish under (default: the last one + 1); it must be
                 greater than the last. A relay uses this to keep the root's numbering.
+            fill: write the version's bytes yourself: called with the slot's bytes (a
+                flat uint8 tensor, laid out as the manifest says) instead of copying
+                `weights`. A relay lands bytes received from the network this way.
+            slot: the slot to write (from `reserve_slot`), instead of the one the
+                publisher would claim; only with `fill`.
 
         Raises:
             LayoutMismatch: `weights` has other keys, shapes or dtypes.
@@ -492,20 +492,18 @@ class Publisher:
         self._check_usable()
         started = time.perf_counter()
         deadline = Deadline(self._timeout if timeout is DEFAULT else timeout)
-        if weights is None and self._reader is not None:
-            flat = self._reader.read()
-        else:
-            flat = flatten(self._source if weights is None else weights, detach=False)
-        self._layout.check(flat)
+        flat = self._read(weights) if fill is None else {}
+        if slot is not None and fill is None:
+            raise ValueError("slot= needs fill=: the slot's bytes are yours to write")
         with self._publish_lock:
             latest = self._registry.latest
             if version is None:
                 version = latest + 1
             elif version <= latest:
                 raise ValueError(f"version {version} is not greater than the last ({latest})")
-            slot = self._claim_slot(deadline)
+            slot = self._claim_slot(deadline) if slot is None else self._reserved(slot)
             with self._write_lock:  # a worker reading the CPU copy joins before or after
-                self._write(slot, version, flat, mirror=self._needs_mirror())
+                self._write(slot, version, flat, fill)
                 with self._cond:
                     self._registry.record(version, slot)
                     members = self._registry.members
@@ -515,6 +513,21 @@ class Publisher:
         handle = Publish(self, version, targets, started)
         log.debug("published v%d into slot %d for %d workers", version, slot, len(targets))
         return self._wait(handle, deadline) if wait else handle
+
+    def reserve_slot(self) -> int | None:
+        """A slot that a `publish(fill=..., slot=...)` may write, or None while every slot
+        is held. It stays free until then: only a publish makes a slot held (workers join
+        at the latest version, and acks only release)."""
+        self._check_usable()
+        with self._cond:
+            return self._registry.free_slot()
+
+    def open_slot(self, slot: int) -> torch.Tensor:
+        """`slot` (from `reserve_slot`) as flat bytes, marked as being written already:
+        for bytes that land long before the publish that announces them."""
+        self._check_usable()
+        assert self._slots is not None
+        return self._slots.open(slot)
 
     def wait_for_workers(self, n: int, timeout: float | None = DEFAULT) -> bool:
         """Block until `n` workers are on the bus; False if the deadline passed first."""
@@ -537,84 +550,42 @@ class Publisher:
             state = "closed" if self._state == "closed" else "not started"
             raise ClosedError(f"Publisher {self.name!r} is {state}; call start() on a new one")
 
-    def _start_cuda(self, stack: contextlib.ExitStack) -> None:
-        """One dedicated buffer per GPU the weights live on (none for CPU weights)."""
-        for device in self._cuda_devices:
-            buffer = _DEVICE_BUFFER(device, slots=self._slots, slot_bytes=self._layout.slot_bytes)
-            self._cuda.append(stack.enter_context(buffer))
-        if not self._cuda:
-            return
-        self._cuda_views = [
-            {
-                key: view
-                for index, buffer in enumerate(self._cuda, start=1)
-                for key, view in self._layout.views(buffer.slot(slot), index).items()
-            }
-            for slot in range(self._slots)
-        ]
-        self._mirrored = [False] * self._slots
-        self._streams = sorted(
-            {v.device for v in self._cuda_views[0].values() if v.is_cuda}, key=str
-        )
+    def _read(self, weights: Any) -> dict[Key, torch.Tensor]:
+        """The tensors to publish: `weights`, or the source re-read; checked."""
+        if weights is None and self._reader is not None:
+            flat = self._reader.read()
+        else:
+            flat = flatten(self._source if weights is None else weights, detach=False)
+        self._layout.check(flat)
+        return flat
 
-    def _write_plan(self, slot: int) -> _WritePlan:
-        """The copies of one slot, grouped once: small CPU tensors go in one foreach."""
-        gpu = self._cuda_views[slot] if self._cuda_views else {}
-        small: list[tuple[Key, torch.Tensor]] = []
-        big: list[tuple[Key, torch.Tensor]] = []
-        for key, view in self._slot_views[slot].items():
-            if key not in gpu:
-                (big if view.numel() * view.element_size() >= _FOREACH_MAX else small).append(
-                    (key, view)
-                )
-        mirror = [(key, self._slot_views[slot][key]) for key in gpu]
-        moves = [_ByteMove.to(v) for _, v in small] if len(small) <= MEMMOVE_ALL_MAX else []
-        return _WritePlan(
-            list(gpu.items()), [k for k, _ in small], [v for _, v in small], moves, big, mirror
-        )
+    def _reserved(self, slot: int) -> int:
+        with self._cond:
+            if not 0 <= slot < self._slot_count or self._registry.holders(slot):
+                raise ZmqSyncError(f"slot {slot} is not free: take one from reserve_slot()")
+        return slot
 
     def _write(
-        self, slot: int, version: int, flat: dict[Key, torch.Tensor], *, mirror: bool
+        self,
+        slot: int,
+        version: int,
+        flat: dict[Key, torch.Tensor],
+        fill: Callable[[torch.Tensor], None] | None,
     ) -> None:
-        """Write `flat` into `slot` under the seqlock; `mirror`: CUDA tensors to the CPU too."""
-        assert self._segment is not None
-        header = self._segment.header
-        plan = self._write_plans[slot]
-        header.begin_write(slot)
-        sources = [flat[key] for key in plan.small_keys]
-        # A few small CPU tensors are copied as bytes: no dispatcher, no grad mode.
-        if plan.gpu or plan.big or mirror or not _write_bytes(sources, plan.small_moves):
-            with torch.no_grad():
-                for key, view in plan.gpu:  # device to device, queued on the current stream
-                    view.copy_(flat[key])
-                if sources:
-                    try:
-                        torch._foreach_copy_(plan.small_views, sources)
-                    except RuntimeError:  # e.g. a tensor moved to another device since start
-                        for view, source in zip(plan.small_views, sources, strict=True):
-                            view.copy_(source)
-                for key, view in plan.big:  # torch's threads: the trainer's cores are free
-                    view.copy_(flat[key])
-                if mirror:
-                    for key, view in plan.mirror:
-                        view.copy_(flat[key])
-        for device in self._streams:  # the bytes are in place before the header says so
-            torch.cuda.current_stream(device).synchronize()
-        header.end_write(slot, version)
-        header.set_latest(version, slot)
-        if plan.gpu:
-            self._mirrored[slot] = mirror
+        """Write `slot` (caller holds `_write_lock`): `flat`, or whatever `fill` lands."""
+        assert self._slots is not None
+        if fill is None:
+            self._slots.write(slot, version, flat, mirror=self._needs_mirror())
+            return
+        with self._slots.writing(slot, version):
+            fill(self._slots.flat(slot))
 
     def _needs_mirror(self) -> bool:
         """Whether a worker reading the CPU copy of CUDA weights is on the bus."""
-        if not self._cuda:
+        if not self._shared.cuda:
             return False
         with self._cond:
             return any(m.transport == "cpu" for m in self._registry.members.values())
-
-    def _buffer_infos(self) -> tuple[Any, ...]:
-        assert self._segment is not None
-        return (self._segment.describe(), *(b.describe() for b in self._cuda))
 
     def _claim_slot(self, deadline: Deadline) -> int:
         with self._cond:  # the common case: a slot is free now
@@ -738,61 +709,6 @@ class Publisher:
         self._cond.notify_all()
 
 
-_FOREACH_MAX = 1 << 20  # bytes: smaller CPU tensors are copied together by one foreach
-
-
-@dataclasses.dataclass(frozen=True)
-class _WritePlan:
-    gpu: list[tuple[Key, torch.Tensor]]  # tensors kept in a CUDA buffer
-    small_keys: list[Key]  # CPU tensors copied together
-    small_views: list[torch.Tensor]
-    small_moves: list[_ByteMove]  # the same, copied as bytes; [] if too many
-    big: list[tuple[Key, torch.Tensor]]  # CPU tensors copied one by one (torch's threads)
-    mirror: list[tuple[Key, torch.Tensor]]  # CPU copies of the CUDA tensors
-
-
-@dataclasses.dataclass
-class _ByteMove:
-    """Where one small tensor goes in a slot, and a byte view of the last source read."""
-
-    address: int
-    nbytes: int
-    dst: memoryview | None  # the slot's bytes; None: copied by memmove
-    src_address: int = 0
-    src: memoryview | None = None
-
-    @classmethod
-    def to(cls, view: torch.Tensor) -> _ByteMove:
-        nbytes = view.numel() * view.element_size()
-        dst = byte_view(view.data_ptr(), nbytes) if by_view(nbytes) else None
-        return cls(view.data_ptr(), nbytes, dst)
-
-    def copy(self, source: torch.Tensor) -> None:
-        address = source.data_ptr()
-        if self.dst is None:
-            ctypes.memmove(self.address, address, self.nbytes)
-            return
-        if self.src is None or address != self.src_address:
-            # the source's shape and dtype were checked: `nbytes` is what it holds
-            self.src_address, self.src = address, byte_view(address, self.nbytes)
-        self.dst[:] = self.src
-
-
-def _write_bytes(sources: list[torch.Tensor], moves: list[_ByteMove]) -> bool:
-    """Write a few small CPU tensors to their places in the slot as bytes; False (nothing
-    written) when there is no such plan or a source is not a plain contiguous CPU tensor.
-
-    The publishing thread comes back to each publish with cold caches, after the workers
-    ran (see `MEMMOVE_ALL_MAX`; the subscriber's copy plan does the same). Shapes and
-    dtypes were checked against the layout.
-    """
-    if not moves or not all(map(bytes_are_values, sources)):
-        return False
-    for source, move in zip(sources, moves, strict=True):
-        move.copy(source)
-    return True
-
-
 def _refuse_if_served(address: str) -> None:
     """Binding an ipc:// path silently steals it; ask first whether someone answers."""
     if not address.startswith("ipc://") or not os.path.exists(address[len("ipc://") :]):
@@ -851,26 +767,6 @@ class _Shared:
     def __post_init__(self) -> None:
         self.registry = Registry(self.slots)
         self.cond = threading.Condition(self.lock)
-
-
-def _fill_mirror(
-    slot_views: list[dict[Key, torch.Tensor]],
-    cuda_views: list[dict[Key, torch.Tensor]],
-    mirrored: list[bool],
-    slot: int,
-) -> None:
-    """Copy `slot`'s CUDA tensors into the CPU segment, once (under the write lock).
-
-    Nobody reads that copy yet: the worker it is for gets its WELCOME afterwards, and
-    while another such worker was on the bus every version was copied already.
-    """
-    if not cuda_views or mirrored[slot]:
-        return
-    views = slot_views[slot]
-    with torch.no_grad():
-        for key, view in cuda_views[slot].items():
-            views[key].copy_(view)
-    mirrored[slot] = True
 
 
 class _Agent:

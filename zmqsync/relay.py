@@ -2111,52 +2111,45 @@ def _copier(source: torch.Tensor) -> Callable[[torch.Tensor], None]:
     return copy
 
 
-class _LocalBus(Publisher):
-    """The relay's publisher: a version's bytes land in its free slot straight from the network.
+class _LocalBus:
+    """The relay's publisher on this host: a version's bytes land in a free slot straight
+    from the network.
 
-    `publish_received` runs the core `publish()` (free-slot choice, seqlock, RECEIVE,
-    acks) and replaces only the copy into the slot with `fill(slot)`. If `fill` raises,
-    the slot stays marked incomplete and the version is never announced.
+    A plain `Publisher` over the root's manifest; `publish_received` runs its whole
+    publish (free-slot choice, seqlock, RECEIVE, acks) with the bytes written by
+    `fill(slot bytes)` (the publisher's fill seam). If `fill` raises, the slot stays
+    marked incomplete and the version is never announced.
     """
 
-    _fill: Callable[[torch.Tensor], None] | None = None
-    _reserved: int | None = None
+    def __init__(
+        self, manifest: Sequence[TensorSpec], first: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> None:
+        # Version 0 holds the first version's bytes (received into `first`): the
+        # publisher's weights are views of them, and start() copies them into slot 0.
+        self.publisher = Publisher(_views_of(manifest, first), *args, **kwargs)
 
-    def __init__(self, manifest: Sequence[TensorSpec], *args: Any, **kwargs: Any) -> None:
-        self._template = _template(manifest)
-        self._first = manifest[0]
-        self._flats: dict[int, torch.Tensor] = {}
-        super().__init__(self._template, *args, **kwargs)
+    @property
+    def address(self) -> str:
+        return self.publisher.address
 
-    def has_free_slot(self) -> bool:
-        """Whether a version could be written now (no local worker holds every slot)."""
-        return self.reserve_slot() is not None
+    @property
+    def version(self) -> int:
+        return self.publisher.version
+
+    def start(self) -> _LocalBus:
+        self.publisher.start()
+        return self
+
+    def close(self) -> None:
+        self.publisher.close()
 
     def reserve_slot(self) -> int | None:
-        """A slot the next `publish_received(slot=...)` may write, or None if all are held.
-
-        It stays free until then: only a publish makes a slot held (workers join at the
-        latest version and acks only release), and only the relay's data thread publishes.
-        """
-        with self._cond:
-            return self._registry.free_slot()
+        """A slot the next `publish_received(slot=...)` may write, or None if all are held."""
+        return self.publisher.reserve_slot()
 
     def open_slot(self, slot: int) -> torch.Tensor:
-        """`slot` (from `reserve_slot`) as flat bytes, marked as being written first.
-
-        The bytes may land any time after this, long before the publish that announces
-        them: a reader that is not a holder (an evicted worker finishing a copy) must see
-        the slot's seqlock move, as it would for a core publish's write.
-        """
-        assert self._segment is not None
-        self._segment.header.begin_write(slot)
-        return self._flat(slot)
-
-    def _flat(self, slot: int) -> torch.Tensor:
-        flats = self._flats
-        if slot not in flats:
-            flats[slot] = _flat_slot(self._slot_views[slot], self._first, self._layout.slot_bytes)
-        return flats[slot]
+        """`slot` (from `reserve_slot`) as flat bytes, marked as being written first."""
+        return self.publisher.open_slot(slot)
 
     def publish_received(
         self,
@@ -2166,35 +2159,20 @@ class _LocalBus(Publisher):
         slot: int | None = None,
     ) -> Publish:
         """Publish `version`, its bytes written by `fill(flat slot)`, into `slot` if given
-        (from `reserve_slot`), else into the slot the core publish chooses."""
-        self._fill, self._reserved = fill, slot
-        try:
-            return self.publish(self._template, version=version, wait=False, timeout=timeout)
-        finally:
-            self._fill, self._reserved = None, None
+        (from `reserve_slot`), else into the slot the publisher claims."""
+        return self.publisher.publish(
+            version=version, wait=False, timeout=timeout, fill=fill, slot=slot
+        )
 
-    def _claim_slot(self, deadline: Deadline) -> int:
-        slot = self._reserved
-        if slot is None:
-            return super()._claim_slot(deadline)
-        with self._cond:
-            if self._registry.holders(slot):  # cannot happen (see reserve_slot)
-                raise ZmqSyncError(f"reserved slot {slot} is held by a worker")
-        return slot
 
-    def _write(
-        self, slot: int, version: int, flat: dict[Key, torch.Tensor], **options: Any
-    ) -> None:
-        fill = self._fill
-        if fill is None:
-            super()._write(slot, version, flat, **options)
-            return
-        assert self._segment is not None
-        header = self._segment.header
-        header.begin_write(slot)
-        fill(self._flat(slot))
-        header.end_write(slot, version)
-        header.set_latest(version, slot)
+def _views_of(manifest: Sequence[TensorSpec], flat: torch.Tensor) -> dict[Key, torch.Tensor]:
+    """The manifest's tensors as views of `flat`, bytes laid out as in a slot."""
+    return {
+        spec.key: flat[spec.offset : spec.offset + spec.nbytes]
+        .view(torch_dtype(spec.dtype))
+        .view(spec.shape)
+        for spec in manifest
+    }
 
 
 class _DataLink:
@@ -2437,7 +2415,7 @@ class Relay:
     @property
     def publisher(self) -> Publisher | None:
         """The local bus (None until the first version arrived)."""
-        return self._local
+        return self._local.publisher if self._local is not None else None
 
     def wait_for_version(self, version: int, timeout: float | None = None) -> bool:
         """Block until the local bus holds `version` or newer; False on timeout."""
@@ -2699,6 +2677,7 @@ class Relay:
         under its number."""
         bus = _LocalBus(
             self._manifest,
+            staging,
             self._address_arg,
             name=self.name,
             slots=self._slots,
@@ -2708,18 +2687,14 @@ class Relay:
             shm_dir=self._shm_dir,
             tap=self._tap,
         )
-        copy = _copier(staging)
-        bus._fill = copy
         try:
             bus.start()  # version 0 of the local bus holds these bytes...
             handle = None
             if send.version > 0:  # ...and they go out at once under the root's number
-                handle = bus.publish_received(send.version, copy, self._timeout)
+                handle = bus.publish_received(send.version, _copier(staging), self._timeout)
         except BaseException:
             bus.close()
             raise
-        finally:
-            bus._fill = None
         self._local = bus
         self.address = bus.address
         log.info("relay %s opened bus %r at %s", self.relay_id, self.name, bus.address)
@@ -2865,7 +2840,7 @@ class _RelayAgent:
                 relay._have[0],
                 relay._have[1],
                 relay._acked[1] if relay._acked[0] == relay._have[0] else -1,
-                _local_workers(relay._local),
+                _local_workers(relay.publisher),
             )
             self._send(_encode(status))
             return

@@ -100,7 +100,7 @@ class CpuSegment(SharedBuffer):
         self.path = os.path.join(directory, name)
         self.name = name
         self.size = HEADER_BYTES + slots * slot_bytes
-        self._slots, self._slot_bytes = slots, slot_bytes
+        self.slots, self._slot_bytes = slots, slot_bytes
         tmp = os.path.join(directory, f".{name}.tmp")
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:

@@ -1,0 +1,339 @@
+"""Every byte copy between a model and a slot: the plans, the native loop, its settings.
+
+Two directions, planned once per slot and run per version:
+
+* `WritePlan`: the publisher's write of a version into a slot. A few small CPU tensors
+  go as bytes (no dispatcher, no grad mode), more of them in one ``_foreach_copy_``,
+  big ones by torch's ``copy_`` on its threads (the trainer's cores are free then), CUDA
+  tensors device to device, and their CPU copies when a worker reads those.
+* `CopyPlan`: a copy-mode worker's copy from a slot into its model: every plain CPU
+  tensor as bytes in one native call without the GIL (`ByteCopies`), the rest in one
+  foreach or one by one.
+
+Both run on threads that come to each version with cold caches, after the other
+processes ran: per-tensor interpreter work is what they save. No zmq here, and no
+knowledge of slots or seqlocks (`_slots` decides when a write happens).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from array import array
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+Key = tuple[str, ...]
+
+__all__ = [
+    "BYTE_COPY_MAX",
+    "COPY_THREADS",
+    "FOREACH_MAX",
+    "MEMMOVE_ALL_MAX",
+    "NATIVE_COPY",
+    "SHARED_COPY_MIN",
+    "ByteCopies",
+    "ByteMove",
+    "CopyPlan",
+    "WritePlan",
+    "by_view",
+    "byte_view",
+    "bytes_are_values",
+    "shares_copy",
+    "write_plan",
+]
+
+
+# The publisher writes a model of at most this many small tensors as bytes, one copy per
+# tensor: it comes back to each publish with cold caches (9 processes take turns on 2
+# cores in the benchmark), and torch's dispatcher and grad-mode switch touch far more
+# code than a byte copy does. More tensors go through one `_foreach_copy_`: checking
+# each source for a byte copy (`bytes_are_values`) would cost about as much.
+MEMMOVE_ALL_MAX = 64
+
+# Copies up to this many bytes go by memoryview assignment (`byte_view`), larger ones by
+# ctypes.memmove, which releases the GIL for the copy.
+BYTE_COPY_MAX = 1 << 16
+
+
+def by_view(nbytes: int) -> bool:
+    """Whether a byte copy of `nbytes` goes by `byte_view` (else by ctypes.memmove)."""
+    return 0 < nbytes <= BYTE_COPY_MAX
+
+
+def byte_view(address: int, nbytes: int) -> memoryview:
+    """The `nbytes` at `address` as a writable byte memoryview.
+
+    ``dst[:] = src`` between two of them is a memcpy without ctypes' foreign-call
+    machinery: half the CPU of `ctypes.memmove` for 8 small tensors on a cold thread
+    (3.3 against 6.7 us). It holds the GIL, so only small copies (`BYTE_COPY_MAX`) go
+    this way. The view does not own the memory: whoever keeps it must know that
+    `address` still holds `nbytes`.
+    """
+    return memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
+
+
+def _native_copy() -> Callable[..., None] | None:
+    """`_native.copy_many` when the extension was built and ZMQSYNC_NATIVE is not "0"."""
+    if os.environ.get("ZMQSYNC_NATIVE", "1") == "0":
+        return None
+    try:
+        from ._native import copy_many
+    except ImportError:  # installed without a C compiler: copies go from Python
+        return None
+    return copy_many  # type: ignore[no-any-return]
+
+
+def _copy_threads() -> int:
+    """Threads a big native copy is shared among: ZMQSYNC_COPY_THREADS, else the CPUs
+    this process may run on, at most 4 (a cap: past a few threads a copy is bound by
+    memory bandwidth; only 2 could be measured here)."""
+    setting = os.environ.get("ZMQSYNC_COPY_THREADS", "")
+    if setting:
+        try:
+            threads = int(setting)
+        except ValueError:
+            raise ValueError(
+                f"ZMQSYNC_COPY_THREADS={setting!r}: give a whole number from 1 to 64"
+            ) from None
+        if not 1 <= threads <= 64:
+            raise ValueError(f"ZMQSYNC_COPY_THREADS={threads}: give a number from 1 to 64")
+        return threads
+    return max(1, min(4, len(os.sched_getaffinity(0))))
+
+
+# Copies many byte ranges in one call without the GIL; None: not built (or turned off).
+NATIVE_COPY = _native_copy()
+COPY_THREADS = _copy_threads()
+
+# A native copy of at least this many bytes is shared among COPY_THREADS threads. Below
+# it, starting the helpers (~45 us each here) costs what the second thread saves: a
+# 4 MiB copy took 0.10 ms on one thread, 0.12 ms on two. A copy-mode publish to one
+# worker, the worker's copy shared or not (tools/shared_copy_ab.py, after a torch step
+# in the trainer): 16 MB 2.87 against 3.12 ms, 64 MB 13.2 against 14.3 ms. With the
+# other core busy a 64 MiB copy took 7.2 ms shared, 7.4 ms on one thread and 9.6 ms by
+# torch's copy_ (its OpenMP threads wait for each other).
+SHARED_COPY_MIN = 16 << 20
+
+
+def shares_copy(nbytes: int) -> bool:
+    """Whether a native copy of `nbytes` bytes is shared among `COPY_THREADS` threads."""
+    return NATIVE_COPY is not None and COPY_THREADS > 1 and nbytes >= SHARED_COPY_MIN
+
+
+class ByteCopies:
+    """Byte copies planned once (destination, source, byte count) and run many times.
+
+    With the native extension they are one call that walks the plan without the GIL: a
+    worker's copy of a 2,000-tensor model took ~130 ns of interpreter per tensor
+    otherwise, more than the bytes. A plan of `SHARED_COPY_MIN` bytes or more is shared
+    among `COPY_THREADS` threads. Without the extension, each small copy is a memoryview
+    assignment (`byte_view`) and each big one a ctypes.memmove (which drops the GIL).
+    The caller vouches that every address holds its byte count while the plan is used,
+    and that no two ranges overlap.
+    """
+
+    __slots__ = ("_native", "_plan", "_threads", "_views", "_memmoves")
+
+    def __init__(self, moves: Iterable[tuple[int, int, int]]) -> None:
+        moves = [move for move in moves if move[2]]
+        self._native = NATIVE_COPY
+        self._plan = array("Q")  # the native loop's triples; the views and memmoves otherwise
+        self._threads = 1
+        self._views: list[tuple[memoryview, memoryview]] = []
+        self._memmoves: list[tuple[int, int, int]] = []
+        if self._native is not None:
+            self._plan.extend(word for move in moves for word in move)
+            if shares_copy(sum(nbytes for _, _, nbytes in moves)):
+                self._threads = COPY_THREADS
+        else:
+            for dst, src, nbytes in moves:
+                if by_view(nbytes):
+                    self._views.append((byte_view(dst, nbytes), byte_view(src, nbytes)))
+                else:
+                    self._memmoves.append((dst, src, nbytes))
+
+    @property
+    def threads(self) -> int:
+        """How many threads one run uses."""
+        return self._threads
+
+    def run(self) -> None:
+        if self._native is not None:
+            self._native(self._plan, self._threads)
+            return
+        for dst, src in self._views:
+            dst[:] = src
+        for dst_address, src_address, nbytes in self._memmoves:
+            ctypes.memmove(dst_address, src_address, nbytes)  # releases the GIL
+
+
+def bytes_are_values(tensor: torch.Tensor) -> bool:
+    """Whether `tensor`'s memory, read as bytes from its data pointer, is its value: a
+    contiguous CPU tensor without a lazy conj/neg bit. Only such a tensor may be copied
+    by memmove."""
+    return tensor.is_cpu and tensor.is_contiguous() and not tensor.is_conj() and not tensor.is_neg()
+
+
+_Pairs = tuple[list[torch.Tensor], list[torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class CopyPlan:
+    """One slot's copies, grouped once: byte copies, one foreach, the rest one by one."""
+
+    moved: list[torch.Tensor]  # the destinations copied as bytes
+    addresses: list[int]  # where they were when planned
+    byte_copies: ByteCopies
+    small: _Pairs  # same device: one foreach
+    other: _Pairs  # across devices (the CUDA transport's fallback), conj/neg: one by one
+
+    @classmethod
+    def of(cls, dsts: Mapping[Key, torch.Tensor], views: Mapping[Key, torch.Tensor]) -> CopyPlan:
+        moved: list[torch.Tensor] = []
+        moves: list[tuple[int, int, int]] = []
+        small: _Pairs = ([], [])
+        other: _Pairs = ([], [])
+        for key, dst in dsts.items():
+            src = views[key]
+            if (
+                bytes_are_values(dst)
+                and bytes_are_values(src)
+                and dst.dtype == src.dtype
+                and dst.data_ptr() != 0  # an empty (freed) storage: let torch say so
+            ):
+                moved.append(dst)
+                moves.append((dst.data_ptr(), src.data_ptr(), dst.numel() * dst.element_size()))
+            else:
+                # foreach takes neither a conj/neg destination nor one on another device
+                plain = not dst.is_conj() and not dst.is_neg()
+                pairs = small if dst.device == src.device and plain else other
+                pairs[0].append(dst)
+                pairs[1].append(src)
+        addresses = [dst for dst, _, _ in moves]
+        return cls(moved, addresses, ByteCopies(moves), small, other)
+
+    def still_valid(self) -> bool:
+        """Whether every byte-copy destination is still where the plan saw it.
+
+        The destinations are this target's own detached aliases, so no one else can
+        change their shape or strides; their storage, shared with the model, can still
+        be resized (as FSDP does to free a parameter), and that moves or frees it.
+        """
+        return list(map(_DATA_PTR, self.moved)) == self.addresses
+
+    def run(self) -> None:
+        self.byte_copies.run()
+        small, other = self.small, self.other
+        if not small[0] and not other[0]:
+            return
+        with torch.no_grad():
+            if small[0]:
+                torch._foreach_copy_(*small)
+            for dst_tensor, src_tensor in zip(*other, strict=True):
+                dst_tensor.copy_(src_tensor)
+
+
+_DATA_PTR: Callable[[torch.Tensor], int] = torch.Tensor.data_ptr
+
+
+FOREACH_MAX = 1 << 20  # bytes: smaller CPU tensors are copied together by one foreach
+
+
+@dataclass(frozen=True)
+class WritePlan:
+    """A slot's write, grouped once (see the module doc)."""
+
+    gpu: list[tuple[Key, torch.Tensor]]  # tensors kept in a CUDA buffer
+    small_keys: list[Key]  # CPU tensors copied together
+    small_views: list[torch.Tensor]
+    small_moves: list[ByteMove]  # the same, copied as bytes; [] if too many
+    big: list[tuple[Key, torch.Tensor]]  # CPU tensors copied one by one (torch's threads)
+    mirror: list[tuple[Key, torch.Tensor]]  # CPU copies of the CUDA tensors
+
+    def run(self, flat: Mapping[Key, torch.Tensor], *, mirror: bool) -> None:
+        """Copy `flat` (checked against the layout) to the slot; `mirror`: the CUDA
+        tensors' CPU copies too. GPU copies are queued on the current streams."""
+        sources = [flat[key] for key in self.small_keys]
+        # A few small CPU tensors are copied as bytes: no dispatcher, no grad mode.
+        if not (self.gpu or self.big or mirror) and _write_bytes(sources, self.small_moves):
+            return
+        with torch.no_grad():
+            for key, view in self.gpu:  # device to device, queued on the current stream
+                view.copy_(flat[key])
+            if sources:
+                try:
+                    torch._foreach_copy_(self.small_views, sources)
+                except RuntimeError:  # e.g. a tensor moved to another device since start
+                    for view, source in zip(self.small_views, sources, strict=True):
+                        view.copy_(source)
+            for key, view in self.big:  # torch's threads: the trainer's cores are free
+                view.copy_(flat[key])
+            if mirror:
+                for key, view in self.mirror:
+                    view.copy_(flat[key])
+
+
+@dataclass
+class ByteMove:
+    """Where one small tensor goes in a slot, and a byte view of the last source read."""
+
+    address: int
+    nbytes: int
+    dst: memoryview | None  # the slot's bytes; None: copied by memmove
+    src_address: int = 0
+    src: memoryview | None = None
+
+    @classmethod
+    def to(cls, view: torch.Tensor) -> ByteMove:
+        nbytes = view.numel() * view.element_size()
+        dst = byte_view(view.data_ptr(), nbytes) if by_view(nbytes) else None
+        return cls(view.data_ptr(), nbytes, dst)
+
+    def copy(self, source: torch.Tensor) -> None:
+        address = source.data_ptr()
+        if self.dst is None:
+            ctypes.memmove(self.address, address, self.nbytes)
+            return
+        if self.src is None or address != self.src_address:
+            # the source's shape and dtype were checked: `nbytes` is what it holds
+            self.src_address, self.src = address, byte_view(address, self.nbytes)
+        self.dst[:] = self.src
+
+
+def _write_bytes(sources: list[torch.Tensor], moves: list[ByteMove]) -> bool:
+    """Write a few small CPU tensors to their places in the slot as bytes; False (nothing
+    written) when there is no such plan or a source is not a plain contiguous CPU tensor.
+
+    The publishing thread comes back to each publish with cold caches, after the workers
+    ran (see `MEMMOVE_ALL_MAX`; the subscriber's copy plan does the same). Shapes and
+    dtypes were checked against the layout.
+    """
+    if not moves or not all(map(bytes_are_values, sources)):
+        return False
+    for source, move in zip(sources, moves, strict=True):
+        move.copy(source)
+    return True
+
+
+def write_plan(
+    views: Mapping[Key, torch.Tensor], gpu: Mapping[Key, torch.Tensor] | None = None
+) -> WritePlan:
+    """The copies of one slot, grouped once. `views`: the slot's CPU views of every
+    tensor; `gpu`: the views of those kept in a CUDA buffer (their CPU views then hold
+    the copies made for workers that read the CPU segment)."""
+    gpu = gpu or {}
+    small: list[tuple[Key, torch.Tensor]] = []
+    big: list[tuple[Key, torch.Tensor]] = []
+    for key, view in views.items():
+        if key not in gpu:
+            (big if view.numel() * view.element_size() >= FOREACH_MAX else small).append(
+                (key, view)
+            )
+    mirror = [(key, views[key]) for key in gpu]
+    moves = [ByteMove.to(v) for _, v in small] if len(small) <= MEMMOVE_ALL_MAX else []
+    return WritePlan(
+        list(gpu.items()), [k for k, _ in small], [v for _, v in small], moves, big, mirror
+    )
