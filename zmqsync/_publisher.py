@@ -33,7 +33,6 @@ import secrets
 import threading
 import time
 import warnings
-from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import Any, cast
 
@@ -52,26 +51,22 @@ from ._layout import (
     flatten,
 )
 from ._protocol import (
-    Ack,
     BufferInfo,
     Bye,
     Error,
-    Heartbeat,
     Hello,
     Inspect,
     Message,
     Receive,
     State,
-    Stop,
     Tap,
-    TensorSpec,
     Welcome,
-    WorkerState,
     decode,
     encode,
     template,
 )
-from ._registry import Registry, WorkerInfo
+from ._publisher_role import Endpoints, PublisherRole
+from ._registry import WorkerInfo
 from ._security import (
     Authenticator,
     CurveServer,
@@ -94,7 +89,6 @@ from ._sockets import (
     source_fd,
 )
 from ._text import printable
-from ._transport import registered
 
 __all__ = ["DEFAULT", "Publish", "Publisher"]
 
@@ -287,27 +281,25 @@ class Publisher:
         self.bus = secrets.token_hex(8)
         self._receive = template(Receive, bus=self.bus)  # (seq, version, slot) -> frame
         self.address = ""
-        self._shared = _Shared(
+        self._role = PublisherRole(
             name=self.name,
             bus=self.bus,
             slots=slots,
             heartbeat=heartbeat,
-            max_workers=max_workers,
-            handshake_rate=handshake_rate,
-            curve=self._curve,
-            gid=self._gid,
-            tap=self._tap,
             slot_bytes=self._layout.slot_bytes,
             manifest=self._layout.specs,
+            max_workers=max_workers,
+            handshake_rate=handshake_rate,
+            now=time.monotonic(),
         )
+        self._shared = _Shared(self._role, curve=self._curve, gid=self._gid, tap=self._tap)
         # The same objects as the agent's (see `_Shared`), under the names used here.
-        self._registry = self._shared.registry
+        self._registry = self._role.registry
+        self._counters = self._role.counters
         self._lock = self._shared.lock
         self._cond = self._shared.cond
         self._io = self._shared.io  # the events, acks and tap sockets (see the module doc)
-        self._pipe_lock = self._shared.pipe_lock
         self._write_lock = self._shared.write_lock
-        self._counters = self._shared.counters
         self._publish_lock = threading.Lock()
         self._state = "new"  # new -> started -> closed
         self._agent: _Agent | None = None
@@ -364,8 +356,8 @@ class Publisher:
             slots = self._slots = Slots(self._layout, segment, cuda)
             slots.write(0, 0, flatten(self._source), mirror=False)
             self._registry.record(0, 0)
+            self._role.cuda = slots.cuda
             self._shared.buffers = slots.describe()
-            self._shared.cuda = slots.cuda
             self._shared.fill_mirror = slots.fill_mirror if slots.cuda else None
             self._agent = _Agent(self._shared)
             self._agent.start()
@@ -582,7 +574,7 @@ class Publisher:
 
     def _needs_mirror(self) -> bool:
         """Whether a worker reading the CPU copy of CUDA weights is on the bus."""
-        if not self._shared.cuda:
+        if not self._role.cuda:
             return False
         with self._cond:
             return any(m.transport == "cpu" for m in self._registry.members.values())
@@ -679,8 +671,7 @@ class Publisher:
         try:
             if agent.closed:
                 raise ClosedError(f"Publisher {self.name!r} was closed while publishing")
-            agent.seq += 1
-            agent.send_frame(self._receive(agent.seq, version, slot))
+            agent.send_frame(self._receive(self._role.next_seq(), version, slot))
         finally:
             self._io.release()
 
@@ -698,8 +689,7 @@ class Publisher:
                 acked=acked,
                 missing=missing,
             )
-        evicted = self._registry.evict(missing)
-        self._counters["evictions"] += len(evicted)
+        evicted = self._role.evict(missing)
         log.info(
             "evicted %d worker(s) at version %d: %s", len(evicted), version, ", ".join(missing)
         )
@@ -737,35 +727,23 @@ class _Shared:
     still be able to say STOP, close its sockets and remove their files then.
     """
 
-    name: str
-    bus: str
-    slots: int
-    heartbeat: float
-    max_workers: int
-    handshake_rate: float
+    role: PublisherRole  # the protocol's rules (under `cond`; `seq` under `io`)
     curve: CurveServer | None
     gid: int | None
     tap: bool
-    slot_bytes: int
-    manifest: tuple[TensorSpec, ...]
     address: str = ""
-    buffers: tuple[BufferInfo, ...] = ()  # set once the buffers exist
-    cuda: bool = False
+    buffers: tuple[BufferInfo, ...] = ()  # what a WELCOME names (set once they exist)
     fill_mirror: Callable[[int], None] | None = None  # CUDA weights: copy a slot to the CPU
-    registry: Registry = dataclasses.field(init=False)
     lock: threading.RLock = dataclasses.field(default_factory=threading.RLock)
     cond: threading.Condition = dataclasses.field(init=False)
     io: threading.Lock = dataclasses.field(default_factory=threading.Lock)
     pipe_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
     write_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
-    counters: Counter[str] = dataclasses.field(default_factory=Counter)
-    notes: dict[str, tuple[str, str]] = dataclasses.field(default_factory=dict)
     failure: BaseException | None = None
     fd_limit: int = 1024  # the soft RLIMIT_NOFILE once raised at start
     max_connections: int = 1024  # what the bound sockets may hold together (see Gate)
 
     def __post_init__(self) -> None:
-        self.registry = Registry(self.slots)
         self.cond = threading.Condition(self.lock)
 
 
@@ -774,12 +752,12 @@ class _Agent:
 
     def __init__(self, shared: _Shared) -> None:
         self.shared = shared
+        self.role = shared.role
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        self.seq = 0
         self._closing: Deadline | None = None
         self._started = threading.Event()
         self._thread = threading.Thread(
-            target=self._run, name=f"zmqsync-pub-{shared.name}", daemon=True
+            target=self._run, name=f"zmqsync-pub-{shared.role.name}", daemon=True
         )
         self._pipe_in = self.ctx.socket(zmq.PAIR)
         self._pipe_in.linger = 0
@@ -792,8 +770,6 @@ class _Agent:
         self._auth: Authenticator | None = None
         self._tap_key = secrets.token_bytes(16)  # see `_redacted`
         self._orphaned = False  # stop() was called on this thread (see stop)
-        self._tokens = float(shared.handshake_rate)
-        self._tokens_at = time.monotonic()
 
     def start(self) -> None:
         self._thread.start()
@@ -880,7 +856,7 @@ class _Agent:
             shared.max_connections - _config.CONTROL_CONNECTIONS,
             _config.CONTROL_CONNECTIONS,
             shared.fd_limit,
-            shared.handshake_rate,  # a worker connects to events once per handshake
+            shared.role.handshake_rate,  # a worker connects to events once per handshake
         )
         self.control = bind(
             self.ctx,
@@ -944,6 +920,13 @@ class _Agent:
             "acks": self.acks.getsockopt_string(zmq.LAST_ENDPOINT),
             "tap": "" if self.tap is None else self.tap.getsockopt_string(zmq.LAST_ENDPOINT),
         }
+        with shared.cond:
+            self.role.endpoints = Endpoints(
+                self.endpoints["events"],
+                self.endpoints["acks"],
+                self.endpoints["tap"],
+                shared.buffers,
+            )
 
     def _loop(self) -> None:
         # The shared sockets (acks, events, tap) are not polled here: a publishing thread
@@ -957,7 +940,7 @@ class _Agent:
         monitors = self.gate.monitors()
         for monitor in monitors:  # connections come and go: counted at once (see Gate)
             poller.register(monitor, zmq.POLLIN)
-        io, beat = self.shared.io, self.shared.heartbeat
+        io, beat = self.shared.io, self.role.heartbeat
         next_beat = next_service = time.monotonic()
         while True:
             wake = min(next_beat, next_service)
@@ -990,7 +973,7 @@ class _Agent:
             finally:
                 io.release()
             if self._closing is not None and (
-                self._closing.expired() or not self.shared.registry.members
+                self._closing.expired() or not self.role.registry.members
             ):
                 return
 
@@ -1066,7 +1049,7 @@ class _Agent:
         """Copy a frame to the tap, if open; never blocks (drops are counted)."""
         if self.tap is None:
             return
-        record = Tap(self.shared.bus, time.time(), direction, peer[:128], frame)
+        record = Tap(self.role.bus, time.time(), direction, peer[:128], frame)
         try:
             self.tap.send(encode(record), zmq.NOBLOCK)
         except zmq.Again:
@@ -1076,12 +1059,11 @@ class _Agent:
         while self.pipe.poll(0):
             cmd = self.pipe.recv().split()
             if cmd[0] == b"evict":
-                self.seq += 1
-                stop = Stop(self.shared.bus, self.seq, cmd[1].decode(), "evicted")
-                self.send_event(stop, cmd[2].decode())
+                self.send_event(self.role.stop_for(cmd[1].decode(), "evicted"), cmd[2].decode())
             elif cmd[0] == b"stop" and self._closing is None:
-                self.seq += 1
-                self.send_event(Stop(self.shared.bus, self.seq, "", "publisher closed"))
+                with self.shared.cond:
+                    stop = self.role.close()
+                self.send_event(stop)
                 self._closing = Deadline(_config.CLOSE_BYE_WAIT_S)
         return True
 
@@ -1101,7 +1083,7 @@ class _Agent:
         try:
             if len(frames) != 1:
                 raise ProtocolError(f"expected one frame, got {len(frames)}")
-            msg = decode(frames[0], bus=self.shared.bus)
+            msg = decode(frames[0], bus=self.role.bus)
             peer = msg.worker_id if isinstance(msg, Hello) else "inspector"
             if self.tap is not None:
                 self._mirror("in", peer, self._redacted(msg, frames[0]))
@@ -1116,7 +1098,7 @@ class _Agent:
             log.debug("rejected request: %s", printable(exc))
             if not peer:
                 self._mirror("in", "", frames[0][:4096] if frames else b"")
-            reply = Error(self.shared.bus, str(exc)[:1024])
+            reply = Error(self.role.bus, str(exc)[:1024])
         frame = encode(reply)
         self.control.send(frame)
         if self.tap is not None:
@@ -1126,39 +1108,28 @@ class _Agent:
             self._mirror("out", peer, self._redacted(reply, frame))
 
     def _welcome(self, hello: Hello) -> Welcome:
-        shared = self.shared
-        if self._closing is not None:
-            raise ProtocolError("the publisher is closing")
-        transport, note = registered(hello.transport, hello.transport_note, bool(shared.cuda))
-        hello = dataclasses.replace(hello, transport=transport, transport_note=note)
-        self._admit(hello)
-        copy = bool(shared.cuda) and transport == "cpu"  # it reads the CPU copy of CUDA weights
-        silent_after = shared.heartbeat * _config.LOST_AFTER_BEATS
+        """Admit and register a worker (see `PublisherRole`); a worker that reads the CPU
+        copy of CUDA weights gets the current slot's copy made before its WELCOME."""
+        shared, role = self.shared, self.role
+        with shared.cond:
+            hello = role.admit(hello, time.monotonic(), connections_full=self.gate.full(2))
+        copy = role.cuda and hello.transport == "cpu"
         with shared.write_lock if copy else contextlib.nullcontext():
             with shared.cond:
-                now = time.monotonic()
-                if refusal := shared.registry.claim(hello, now, silent_after):
-                    shared.counters["refused_ids"] += 1
-                    raise ProtocolError(f"busy: {refusal}")  # retried: it may go silent
-                session = secrets.token_hex(8)
-                old = shared.registry.members.get(hello.worker_id)
-                shared.registry.join(hello, session, now)
-                self._remember_note(hello.worker_id, session, note)
-                version = shared.registry.latest
-                slot = shared.registry.slot_of(version)
-                shared.counters["handshakes"] += 1
+                welcome, old = role.welcome(hello, time.monotonic())
                 shared.cond.notify_all()
             if copy and shared.fill_mirror is not None:
-                shared.fill_mirror(slot)
+                shared.fill_mirror(welcome.slot)
         if old is None:
             again = ""
         elif old.session != hello.session:
             again = " replacing a silent session"
         else:  # the same process: re-joined, or asked for another transport
-            again = " again" if old.transport == transport else f" again, now for {transport}"
+            again = " again"
+            if old.transport != hello.transport:
+                again += f", now for {hello.transport}"
         if old is not None:  # whoever still holds the old session learns it is over
-            self.seq += 1
-            self.send_event(Stop(shared.bus, self.seq, old.session, "replaced"), old.worker_id)
+            self.send_event(role.stop_for(old.session, "replaced"), old.worker_id)
         log.info(
             "worker %s joined (pid %d, %s, %s)%s",
             hello.worker_id,
@@ -1167,98 +1138,20 @@ class _Agent:
             hello.mode,
             again,
         )
-        if shared.cuda:
+        if role.cuda:
+            note = hello.transport_note
             log.info(
                 "worker %s reads the %s buffer%s",
                 hello.worker_id,
-                transport,
+                hello.transport,
                 f": {printable(note)}" if note else "",
             )
-        return Welcome(
-            bus=shared.bus,
-            session=session,
-            seq=self.seq,
-            version=version,
-            slot=slot,
-            slots=shared.slots,
-            slot_bytes=shared.slot_bytes,
-            heartbeat=shared.heartbeat,
-            events=self.endpoints["events"],
-            acks=self.endpoints["acks"],
-            tap=self.endpoints["tap"],
-            buffers=shared.buffers,
-            manifest=shared.manifest,
-        )
-
-    def _remember_note(self, worker_id: str, session: str, note: str) -> None:
-        """Keep a worker's transport note for STATE (only current members are shown)."""
-        notes = self.shared.notes
-        if len(notes) > 2 * max(len(self.shared.registry.members), 1024):
-            for gone in [w for w in notes if w not in self.shared.registry.members]:
-                del notes[gone]
-        notes[worker_id] = (session, note)
-
-    def _note_of(self, worker_id: str, session: str) -> str:
-        kept = self.shared.notes.get(worker_id)
-        return kept[1] if kept is not None and kept[0] == session else ""
-
-    def _admit(self, hello: Hello) -> None:
-        """Refuse a HELLO when the bus is full or handshakes come too fast (a storm)."""
-        shared, now = self.shared, time.monotonic()
-        rate = shared.handshake_rate
-        self._tokens = min(2 * rate, self._tokens + (now - self._tokens_at) * rate)
-        self._tokens_at = now
-        if self._tokens < 1:
-            self._count("throttled")
-            raise ProtocolError("busy: too many handshakes, retry later")
-        self._tokens -= 1
-        with shared.lock:
-            known = hello.worker_id in shared.registry.members
-            if not known and len(shared.registry.members) >= shared.max_workers:
-                raise ProtocolError(f"bus full: {shared.max_workers} workers (max_workers)")
-        if not known and self.gate.full(2):  # a worker holds two more connections
-            raise ProtocolError(
-                f"bus full: {self.gate.count} connections, the most the publisher's file "
-                f"descriptor limit ({self.gate.fd_limit}) allows; raise its `ulimit -n`"
-            )
+        return welcome
 
     def _state(self) -> State:
-        shared = self.shared
-        now = time.monotonic()
-        with shared.lock:
-            workers = tuple(
-                WorkerState(
-                    m.worker_id,
-                    m.pid,
-                    m.host,
-                    m.mode,
-                    m.transport,
-                    m.acked,
-                    max(0.0, now - m.last_seen),
-                    self._note_of(m.worker_id, m.session),
-                )
-                for m in shared.registry.members.values()
-            )
-            return State(
-                bus=shared.bus,
-                name=shared.name,
-                pid=os.getpid(),
-                version=shared.registry.latest,
-                seq=self.seq,
-                slots=shared.slots,
-                slot_versions=tuple(shared.registry.slot_versions),
-                heartbeat=shared.heartbeat,
-                tap=self.endpoints["tap"],
-                events=self.endpoints["events"],
-                buffers=shared.buffers,
-                manifest=shared.manifest,
-                workers=workers,
-                counters={
-                    **shared.counters,
-                    "connections": self.gate.total,
-                    "refused_connections": self.gate.refused,
-                },
-            )
+        connections = {"connections": self.gate.total, "refused_connections": self.gate.refused}
+        with self.shared.lock:
+            return self.role.state(time.monotonic(), pid=os.getpid(), extra=connections)
 
     def _on_acks(self) -> None:
         """Handle what waits on the acks socket (the caller holds `_io`).
@@ -1300,7 +1193,7 @@ class _Agent:
         try:
             if more:
                 raise ProtocolError("expected one frame, got several")
-            msg = decode(frame, bus=self.shared.bus)
+            msg = decode(frame, bus=self.role.bus)
         except ProtocolError as exc:
             self._count("rejected")
             log.debug("dropped message on acks: %s", printable(exc))
@@ -1311,38 +1204,22 @@ class _Agent:
         return msg
 
     def _on_worker_message(self, msg: Message, now: float) -> bool:
-        """Apply one worker message to the registry (caller holds `_cond`)."""
-        reg = self.shared.registry
-        if isinstance(msg, Ack):
-            ok = reg.ack(msg.worker_id, msg.session, msg.version, now)
-            self.shared.counters["acks" if ok else "stale"] += 1
-            return ok
-        if isinstance(msg, Heartbeat):
-            if not reg.seen(msg.worker_id, msg.session, now):
-                self._count("stale")
-            return False
-        if isinstance(msg, Bye):
-            if reg.leave(msg.worker_id, msg.session) is not None:
-                log.info("worker %s left", msg.worker_id)
-                return True
-            return False
-        self._count("rejected")
-        return False
+        """Apply one worker message (caller holds `cond`); True if waiters should look."""
+        changed = self.role.on_worker_message(msg, now)
+        if changed and isinstance(msg, Bye):
+            log.info("worker %s left", msg.worker_id)
+        return changed
 
     def _beat(self, now: float) -> None:
-        shared = self.shared
-        self.send_event(Heartbeat(shared.bus, self.seq, "", "", shared.registry.latest))
-        limit = shared.heartbeat * _config.LOST_AFTER_BEATS
-        with shared.cond:
-            lost = shared.registry.evict(shared.registry.silent(now, limit))
+        role = self.role
+        self.send_event(role.heartbeat_event())
+        with self.shared.cond:
+            lost = role.drop_silent(now)
             if lost:
-                shared.counters["lost"] += len(lost)
-                shared.cond.notify_all()
+                self.shared.cond.notify_all()
         for member in lost:
-            log.info("worker %s silent for %.1f s: dropped", member.worker_id, limit)
-            self.seq += 1
-            stop = Stop(shared.bus, self.seq, member.session, "silent too long")
-            self.send_event(stop, member.worker_id)
+            log.info("worker %s silent for %.1f s: dropped", member.worker_id, role.silent_after)
+            self.send_event(role.stop_for(member.session, "silent too long"), member.worker_id)
 
     def _drain_subscriptions(self, sock: zmq.Socket[bytes], endpoint: str) -> None:
         """Read what peers sent an XPUB socket; drop anyone who sent more than the protocol.
@@ -1370,9 +1247,9 @@ class _Agent:
                 break
         if rejected:
             with self.shared.lock:
-                self.shared.counters["rejected"] += rejected
-                self.shared.counters["dropped_peers"] += dropped
+                self.role.counters["rejected"] += rejected
+                self.role.counters["dropped_peers"] += dropped
 
     def _count(self, what: str) -> None:
         with self.shared.lock:
-            self.shared.counters[what] += 1
+            self.role.counters[what] += 1

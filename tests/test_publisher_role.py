@@ -1,0 +1,178 @@
+"""The publisher's protocol rules, driven directly: messages and an explicit clock, no I/O.
+
+`PublisherRole` decides who may join, what a WELCOME and a STATE say, what worker
+messages change and what liveness sends. Every test here is exact: no sockets, no
+threads, no sleeping.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from zmqsync._errors import ProtocolError
+from zmqsync._protocol import (
+    Ack,
+    BufferInfo,
+    Bye,
+    Error,
+    Heartbeat,
+    Hello,
+    Stop,
+    TensorSpec,
+    contiguous_stride,
+    decode,
+    encode,
+)
+from zmqsync._publisher_role import Endpoints, PublisherRole
+
+BUS = "0123456789abcdef"
+SPEC = TensorSpec(("w",), "float32", (4,), contiguous_stride((4,)), 0, 16)
+CPU = BufferInfo("cpu", "cpu", "zmqsync-t-0123456789abcdef-cpu", 4096 * 3, 4096)
+
+
+def role(**options) -> PublisherRole:
+    """A role as a started publisher has it: version 0 in slot 0, endpoints bound."""
+    sessions = (f"{i:016x}" for i in itertools.count(1))
+    settings = dict(
+        name="t",
+        bus=BUS,
+        slots=2,
+        heartbeat=0.5,
+        slot_bytes=4096,
+        manifest=(SPEC,),
+        now=0.0,
+        new_session=lambda: next(sessions),
+    )
+    r = PublisherRole(**{**settings, **options})
+    r.registry.record(0, 0)
+    r.endpoints = Endpoints("ipc:///r/t.sock.events", "ipc:///r/t.sock.acks", "", (CPU,))
+    return r
+
+
+def hello(worker_id: str = "w", session: str = "", mode: str = "copy") -> Hello:
+    return Hello("", worker_id, 7, "host", mode, "cpu", "", session)
+
+
+def join(r: PublisherRole, worker_id: str = "w", now: float = 0.0, **kw):
+    return r.welcome(r.admit(hello(worker_id, **kw), now), now)
+
+
+def test_a_welcome_names_everything_a_worker_needs_and_round_trips():
+    r = role()
+    welcome, replaced = join(r)
+    assert replaced is None
+    assert (welcome.bus, welcome.session, welcome.seq, welcome.version, welcome.slot) == (
+        BUS,
+        "0000000000000001",
+        0,
+        0,
+        0,
+    )
+    assert (welcome.events, welcome.acks, welcome.buffers, welcome.manifest) == (
+        "ipc:///r/t.sock.events",
+        "ipc:///r/t.sock.acks",
+        (CPU,),
+        (SPEC,),
+    )
+    assert decode(encode(welcome)) == welcome
+    assert r.counters["handshakes"] == 1 and list(r.registry.members) == ["w"]
+
+
+def test_handshakes_beyond_the_rate_are_busy_then_allowed_again():
+    r = role(handshake_rate=2.0)  # a burst of 4
+    for i in range(4):
+        join(r, f"w{i}", now=0.0)
+    with pytest.raises(ProtocolError, match="busy: too many handshakes"):
+        r.admit(hello("w4"), 0.0)
+    assert r.counters["throttled"] == 1
+    join(r, "w4", now=0.5)  # one token back after half a second
+
+
+def test_a_full_bus_refuses_new_ids_and_still_welcomes_known_ones():
+    r = role(max_workers=1)
+    join(r, "a")
+    with pytest.raises(ProtocolError, match=r"bus full: 1 workers \(max_workers\)"):
+        r.admit(hello("b"), 0.1)
+    with pytest.raises(ProtocolError, match="bus full: no room for more connections"):
+        role().admit(hello("b"), 0.1, connections_full=True)
+    session = r.registry.members["a"].session
+    assert r.admit(hello("a", session=session), 0.2).worker_id == "a"
+
+
+def test_a_live_workers_id_is_refused_without_its_session():
+    r = role()
+    first, _ = join(r, "w", now=0.0)
+    with pytest.raises(ProtocolError, match="busy: worker id 'w' is in use by a live worker"):
+        join(r, "w", now=1.0)
+    assert r.counters["refused_ids"] == 1
+    again, replaced = join(r, "w", now=1.0, session=first.session)
+    assert replaced is not None and replaced.session == first.session
+    assert again.session != first.session
+    stop = r.stop_for(replaced.session, "replaced")
+    assert stop == Stop(BUS, 1, first.session, "replaced") and r.seq == 1
+    assert first.session in r.registry.displaced
+
+
+def test_a_silent_sessions_id_may_be_taken_by_anyone():
+    r = role()
+    first, _ = join(r, "w", now=0.0)
+    second, replaced = join(r, "w", now=3.01)  # 6 beats of 0.5 s: silent
+    assert replaced is not None and replaced.session == first.session
+    assert r.registry.displaced == {}
+
+
+def test_worker_messages_count_only_with_the_current_session():
+    r = role()
+    welcome, _ = join(r)
+    r.registry.record(1, 1)
+    assert r.on_worker_message(Ack(BUS, "w", welcome.session, 1), 1.0)
+    assert not r.on_worker_message(Ack(BUS, "w", "f" * 16, 1), 1.0)
+    assert not r.on_worker_message(Heartbeat(BUS, 0, "w", "f" * 16, 1), 1.0)
+    assert not r.on_worker_message(Heartbeat(BUS, 0, "w", welcome.session, 1), 2.0)
+    assert r.registry.members["w"].last_seen == 2.0
+    assert not r.on_worker_message(Error(BUS, "no"), 2.0)
+    assert (r.counters["acks"], r.counters["stale"], r.counters["rejected"]) == (1, 2, 1)
+    assert r.on_worker_message(Bye(BUS, "w", welcome.session), 3.0)
+    assert r.registry.members == {}
+
+
+def test_liveness_drops_silent_workers_and_numbers_each_stop():
+    r = role()
+    a, _ = join(r, "a", now=0.0)
+    join(r, "b", now=0.0)
+    r.on_worker_message(Heartbeat(BUS, 0, "b", r.registry.members["b"].session, 0), 2.0)
+    assert r.heartbeat_event() == Heartbeat(BUS, 0, "", "", 0)
+    assert r.drop_silent(3.0) == []
+    lost = r.drop_silent(3.01)
+    assert [m.worker_id for m in lost] == ["a"] and r.counters["lost"] == 1
+    assert r.stop_for(a.session, "silent too long") == Stop(BUS, 1, a.session, "silent too long")
+    assert r.heartbeat_event().seq == 1, "the heartbeat carries the last event seq"
+    assert list(r.registry.members) == ["b"]
+
+
+def test_state_shows_workers_their_notes_and_extra_counters():
+    r = role()
+    join(r, "w", now=0.0)
+    state = r.state(1.5, pid=42, extra={"connections": 3})
+    assert (state.bus, state.name, state.pid, state.version, state.slots) == (BUS, "t", 42, 0, 2)
+    assert [(w.worker_id, w.last_seen, w.version) for w in state.workers] == [("w", 1.5, -1)]
+    assert state.counters == {"handshakes": 1, "connections": 3}
+    assert decode(encode(state)) == state
+
+
+def test_closing_refuses_handshakes_and_says_stop_to_everyone():
+    r = role()
+    stop = r.close()
+    assert stop == Stop(BUS, 1, "", "publisher closed")
+    with pytest.raises(ProtocolError, match="the publisher is closing"):
+        r.admit(hello(), 0.0)
+
+
+def test_evictions_are_counted():
+    r = role()
+    join(r, "a")
+    join(r, "b")
+    assert [m.worker_id for m in r.evict(["a", "zz"])] == ["a"]
+    assert r.counters["evictions"] == 1 and list(r.registry.members) == ["b"]

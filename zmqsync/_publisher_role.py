@@ -1,0 +1,257 @@
+"""The publisher's side of the protocol, without I/O: messages and a clock in, messages out.
+
+Like h11's `Connection`, `PublisherRole` knows every rule and touches no socket, thread or
+clock: the agent thread decodes what arrives, hands it over with `now`, and sends what
+comes back. The rules, in the order a worker meets them:
+
+* **Admission** (`admit`): no HELLO while closing; HELLOs beyond `handshake_rate` per
+  second (a burst of two seconds' worth) get ``busy:`` (retried by real subscribers);
+  a new worker id beyond `max_workers`, or beyond what the connection budget allows,
+  gets ``bus full``; a worker id whose session is alive gets ``busy:`` unless the
+  HELLO proves it is that session's process (see `Registry.claim`).
+* **Welcome** (`welcome`): a new session, the member registered at the latest version,
+  a WELCOME naming the endpoints, buffers and manifest; the session it replaces (if
+  any) is told STOP, under the next event seq.
+* **Worker messages** (`on_worker_message`): ACK, HEARTBEAT and BYE count only with the
+  sender's current session; anything else is counted and changes nothing.
+* **Liveness** (`tick`): a HEARTBEAT carrying the last event seq (gap detection for
+  subscribers), and a STOP for every worker silent for LOST_AFTER_BEATS heartbeats.
+* **Events** are numbered here (`seq`): whoever sends them holds the lock that orders
+  the sends on the events socket, and takes the next number under it.
+
+Not thread-safe on its own: callers hold the publisher's registry lock for everything
+that reads or changes the registry, and its sockets lock for `seq`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+from collections import Counter
+from collections.abc import Callable, Iterable
+
+from ._config import LOST_AFTER_BEATS
+from ._errors import ProtocolError
+from ._protocol import (
+    Ack,
+    BufferInfo,
+    Bye,
+    Heartbeat,
+    Hello,
+    Message,
+    State,
+    Stop,
+    TensorSpec,
+    Welcome,
+    WorkerState,
+)
+from ._registry import Member, Registry
+from ._transport import registered
+
+__all__ = ["Endpoints", "PublisherRole"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Endpoints:
+    """Where a WELCOME sends a worker, and what it maps (known once the bus is bound)."""
+
+    events: str
+    acks: str
+    tap: str
+    buffers: tuple[BufferInfo, ...]
+
+
+class PublisherRole:
+    """Admission, welcome, state and liveness of one bus (see the module doc)."""
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        bus: str,
+        slots: int,
+        heartbeat: float,
+        slot_bytes: int,
+        manifest: tuple[TensorSpec, ...],
+        max_workers: int = 1024,
+        handshake_rate: float = 200.0,
+        now: float = 0.0,
+        new_session: Callable[[], str] = lambda: secrets.token_hex(8),
+    ) -> None:
+        self.name, self.bus, self.slots = name, bus, slots
+        self.heartbeat = heartbeat
+        self.slot_bytes, self.manifest = slot_bytes, manifest
+        self.max_workers, self.handshake_rate = max_workers, handshake_rate
+        self.registry = Registry(slots)
+        self.counters: Counter[str] = Counter()
+        self.seq = 0  # of the last event sent (RECEIVE or STOP)
+        self.endpoints = Endpoints("", "", "", ())
+        self.cuda = False  # some tensors live in CUDA buffers (set once they exist)
+        self.closing = False
+        self._new_session = new_session
+        self._tokens, self._tokens_at = 2 * handshake_rate, now
+        self._notes: dict[str, tuple[str, str]] = {}  # worker id -> (session, transport note)
+
+    @property
+    def silent_after(self) -> float:
+        """Seconds without a message after which a peer counts as gone."""
+        return self.heartbeat * LOST_AFTER_BEATS
+
+    def next_seq(self) -> int:
+        """The number of the next event (RECEIVE or STOP): take it just before sending."""
+        self.seq += 1
+        return self.seq
+
+    # --- handshakes ---------------------------------------------------------------
+
+    def admit(self, hello: Hello, now: float, *, connections_full: bool = False) -> Hello:
+        """`hello` as it will be registered (its transport as the bus offers it), or
+        ProtocolError with the reason the ERROR reply gives.
+
+        Args:
+            connections_full: the connection budget has no room for a new worker's two
+                connections (see `Gate`).
+        """
+        if self.closing:
+            raise ProtocolError("the publisher is closing")
+        self._tokens = min(
+            2 * self.handshake_rate, self._tokens + (now - self._tokens_at) * self.handshake_rate
+        )
+        self._tokens_at = now
+        if self._tokens < 1:
+            self.counters["throttled"] += 1
+            raise ProtocolError("busy: too many handshakes, retry later")
+        self._tokens -= 1
+        known = hello.worker_id in self.registry.members
+        if not known and len(self.registry.members) >= self.max_workers:
+            raise ProtocolError(f"bus full: {self.max_workers} workers (max_workers)")
+        if not known and connections_full:
+            raise ProtocolError(
+                "bus full: no room for more connections under the publisher's file "
+                "descriptor limit; raise its `ulimit -n`"
+            )
+        transport, note = registered(hello.transport, hello.transport_note, self.cuda)
+        return dataclasses.replace(hello, transport=transport, transport_note=note)
+
+    def welcome(self, hello: Hello, now: float) -> tuple[Welcome, Member | None]:
+        """Register the worker `hello` (from `admit`) names; its WELCOME, and the member
+        it replaced (tell that session with `stop_for(old.session, "replaced")`).
+
+        Raises:
+            ProtocolError: ``busy:`` the worker id belongs to a live session.
+        """
+        if refusal := self.registry.claim(hello, now, self.silent_after):
+            self.counters["refused_ids"] += 1
+            raise ProtocolError(f"busy: {refusal}")  # retried: it may go silent
+        session = self._new_session()
+        old = self.registry.members.get(hello.worker_id)
+        self.registry.join(hello, session, now)
+        self._remember_note(hello.worker_id, session, hello.transport_note)
+        self.counters["handshakes"] += 1
+        version = self.registry.latest
+        welcome = Welcome(
+            bus=self.bus,
+            session=session,
+            seq=self.seq,
+            version=version,
+            slot=self.registry.slot_of(version),
+            slots=self.slots,
+            slot_bytes=self.slot_bytes,
+            heartbeat=self.heartbeat,
+            events=self.endpoints.events,
+            acks=self.endpoints.acks,
+            tap=self.endpoints.tap,
+            buffers=self.endpoints.buffers,
+            manifest=self.manifest,
+        )
+        return welcome, old
+
+    def _remember_note(self, worker_id: str, session: str, note: str) -> None:
+        """Keep a worker's transport note for STATE (only current members are shown)."""
+        members = self.registry.members
+        if len(self._notes) > 2 * max(len(members), 1024):
+            for gone in [w for w in self._notes if w not in members]:
+                del self._notes[gone]
+        self._notes[worker_id] = (session, note)
+
+    def _note_of(self, member: Member) -> str:
+        kept = self._notes.get(member.worker_id)
+        return kept[1] if kept is not None and kept[0] == member.session else ""
+
+    def state(self, now: float, *, pid: int, extra: dict[str, int] | None = None) -> State:
+        """What INSPECT gets: the bus, its buffers and manifest, workers and counters."""
+        workers = tuple(
+            WorkerState(
+                m.worker_id,
+                m.pid,
+                m.host,
+                m.mode,
+                m.transport,
+                m.acked,
+                max(0.0, now - m.last_seen),
+                self._note_of(m),
+            )
+            for m in self.registry.members.values()
+        )
+        return State(
+            bus=self.bus,
+            name=self.name,
+            pid=pid,
+            version=self.registry.latest,
+            seq=self.seq,
+            slots=self.slots,
+            slot_versions=tuple(self.registry.slot_versions),
+            heartbeat=self.heartbeat,
+            tap=self.endpoints.tap,
+            events=self.endpoints.events,
+            buffers=self.endpoints.buffers,
+            manifest=self.manifest,
+            workers=workers,
+            counters={**self.counters, **(extra or {})},
+        )
+
+    # --- what workers send --------------------------------------------------------
+
+    def on_worker_message(self, msg: Message, now: float) -> bool:
+        """Apply one message from the acks socket; True if a waiter should look again
+        (an ack counted, a worker left)."""
+        registry = self.registry
+        if isinstance(msg, Ack):
+            ok = registry.ack(msg.worker_id, msg.session, msg.version, now)
+            self.counters["acks" if ok else "stale"] += 1
+            return ok
+        if isinstance(msg, Heartbeat):
+            if not registry.seen(msg.worker_id, msg.session, now):
+                self.counters["stale"] += 1
+            return False
+        if isinstance(msg, Bye):
+            return registry.leave(msg.worker_id, msg.session) is not None
+        self.counters["rejected"] += 1
+        return False
+
+    # --- liveness and goodbyes ----------------------------------------------------
+
+    def heartbeat_event(self) -> Heartbeat:
+        """The publisher's HEARTBEAT: the last event seq, for subscribers' gap checks."""
+        return Heartbeat(self.bus, self.seq, "", "", self.registry.latest)
+
+    def drop_silent(self, now: float) -> list[Member]:
+        """Workers silent for too long, removed (tell each with `stop_for`)."""
+        lost = self.registry.evict(self.registry.silent(now, self.silent_after))
+        self.counters["lost"] += len(lost)
+        return lost
+
+    def stop_for(self, session: str, reason: str) -> Stop:
+        """A STOP for one session (evicted, silent, replaced): the next event."""
+        return Stop(self.bus, self.next_seq(), session, reason)
+
+    def evict(self, worker_ids: Iterable[str]) -> list[Member]:
+        """Drop workers a publish gave up on (on_timeout="evict")."""
+        evicted = self.registry.evict(worker_ids)
+        self.counters["evictions"] += len(evicted)
+        return evicted
+
+    def close(self) -> Stop:
+        """The bus closes: no more handshakes; the STOP that says so to everyone."""
+        self.closing = True
+        return Stop(self.bus, self.next_seq(), "", "publisher closed")
