@@ -37,6 +37,7 @@ import zmq
 import zmqsync
 from zmqsync import _protocol as protocol
 from zmqsync._buffers.header import HEADER_BYTES, Header
+from zmqsync._config import XPUB_WELCOME
 from zmqsync._protocol import (
     BufferInfo,
     TensorSpec,
@@ -44,7 +45,6 @@ from zmqsync._protocol import (
     contiguous_stride,
     encode,
 )
-from zmqsync._publisher import XPUB_WELCOME
 
 ROOT = Path(__file__).resolve().parent.parent
 MiB = 1 << 20

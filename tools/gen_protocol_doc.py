@@ -31,7 +31,8 @@ from zmqsync import _protocol as P
 from zmqsync import _transport as T
 from zmqsync._buffers import header as H
 from zmqsync._buffers.cpu import PREFIX, segment_name
-from zmqsync._publisher import XPUB_WELCOME, Publisher
+from zmqsync._config import XPUB_WELCOME
+from zmqsync._publisher import Publisher
 
 ROOT = Path(__file__).resolve().parent.parent
 OUTPUT = ROOT / "docs" / "protocol.md"

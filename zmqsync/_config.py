@@ -13,8 +13,11 @@ import secrets
 import socket
 import stat
 import tempfile
+from typing import Any
 
 __all__ = [
+    "DEFAULT",
+    "XPUB_WELCOME",
     "ACK_DRAIN_MAX",
     "CONTROL_MAX_BYTES",
     "CONTROL_RCVHWM",
@@ -41,6 +44,19 @@ __all__ = [
     "runtime_dir",
     "shm_dir",
 ]
+
+
+class _Default:
+    """Sentinel: 'use the object's configured timeout' (None means no limit), as httpx's
+    `USE_CLIENT_DEFAULT`: a timeout left out and a timeout of None mean different things."""
+
+    def __repr__(self) -> str:
+        return "DEFAULT"
+
+
+DEFAULT: Any = _Default()
+# The first frame a new SUB gets from the events socket: its subscription is live.
+XPUB_WELCOME = b"\x00zmqsync-subscribed"
 
 DEFAULT_SHM_DIR = "/dev/shm"
 HANDSHAKE_ATTEMPTS = 3  # Lazy Pirate: fresh REQ socket per attempt

@@ -25,8 +25,6 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import hashlib
 import logging
 import os
 import secrets
@@ -34,16 +32,18 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterable
-from typing import Any, cast
+from typing import Any
 
 import torch
 import zmq
 
 from . import _config, _lifecycle
 from ._buffers import CpuSegment, CudaBuffer, collect_garbage, segment_name
-from ._connections import Gate, connection_budget, open_descriptors, raise_fd_limit
+from ._config import DEFAULT
+from ._config import XPUB_WELCOME as XPUB_WELCOME  # until _subscriber imports it from _config
+from ._connections import connection_budget, open_descriptors, raise_fd_limit
 from ._deadline import Deadline
-from ._errors import ClosedError, ProtocolError, PublishTimeout, ZmqSyncError
+from ._errors import ClosedError, PublishTimeout, ZmqSyncError
 from ._layout import (
     Key,
     Layout,
@@ -51,24 +51,15 @@ from ._layout import (
     flatten,
 )
 from ._protocol import (
-    BufferInfo,
-    Bye,
-    Error,
-    Hello,
     Inspect,
-    Message,
     Receive,
-    State,
-    Tap,
-    Welcome,
-    decode,
     encode,
     template,
 )
-from ._publisher_role import Endpoints, PublisherRole
+from ._publisher_agent import IO_LOCK_S, Agent, Shared
+from ._publisher_role import PublisherRole
 from ._registry import WorkerInfo
 from ._security import (
-    Authenticator,
     CurveServer,
     forget_keys,
     is_loopback,
@@ -77,39 +68,17 @@ from ._security import (
 )
 from ._slots import Slots
 from ._sockets import (
-    NOBLOCK,
-    Drain,
-    bind,
     connect,
-    post,
-    protect_ipc,
-    readable,
-    shutdown_fd,
-    sibling_endpoint,
-    source_fd,
 )
-from ._text import printable
 
 __all__ = ["DEFAULT", "Publish", "Publisher"]
 
 log = logging.getLogger(__name__)
 
 
-class _Default:
-    """Sentinel: 'use the object's configured timeout' (None means no limit)."""
-
-    def __repr__(self) -> str:
-        return "DEFAULT"
-
-
-DEFAULT: Any = _Default()
-XPUB_WELCOME = b"\x00zmqsync-subscribed"  # first frame a new SUB gets: its subscription is live
-_SUBSCRIBE_ALL = b"\x01"  # the only subscription the protocol uses: to every event
 # How long a publishing thread reads acks itself before leaving the rest to the agent.
 # The agent's heartbeats and evictions wait that long at most; fast publishes never leave.
 FAST_COLLECT_S = 0.02
-IO_LOCK_S = 30.0  # the agent holds `_io` for one bounded step; longer means it is stuck
-_COLLECT_WAIT_S = 0.005  # longest blocking recv while collecting acks
 
 
 def _tensor_device(tensor: torch.Tensor) -> str:
@@ -292,8 +261,8 @@ class Publisher:
             handshake_rate=handshake_rate,
             now=time.monotonic(),
         )
-        self._shared = _Shared(self._role, curve=self._curve, gid=self._gid, tap=self._tap)
-        # The same objects as the agent's (see `_Shared`), under the names used here.
+        self._shared = Shared(self._role, curve=self._curve, gid=self._gid, tap=self._tap)
+        # The same objects as the agent's (see `Shared`), under the names used here.
         self._registry = self._role.registry
         self._counters = self._role.counters
         self._lock = self._shared.lock
@@ -302,7 +271,7 @@ class Publisher:
         self._write_lock = self._shared.write_lock
         self._publish_lock = threading.Lock()
         self._state = "new"  # new -> started -> closed
-        self._agent: _Agent | None = None
+        self._agent: Agent | None = None
         self._slots: Slots | None = None  # the buffers, once started
         self._resources = contextlib.ExitStack()
         self._pid = os.getpid()
@@ -359,7 +328,7 @@ class Publisher:
             self._role.cuda = slots.cuda
             self._shared.buffers = slots.describe()
             self._shared.fill_mirror = slots.fill_mirror if slots.cuda else None
-            self._agent = _Agent(self._shared)
+            self._agent = Agent(self._shared)
             self._agent.start()
             stack.callback(self._agent.stop)
             self._resources = stack.pop_all()
@@ -715,541 +684,3 @@ def _refuse_if_served(address: str) -> None:
         raise ZmqSyncError(
             f"a publisher already serves {address}; close it, or use another name/address"
         )
-
-
-@dataclasses.dataclass(eq=False)
-class _Shared:
-    """What a publisher's agent thread shares with its `Publisher`.
-
-    The agent holds this and never the Publisher. A Publisher dropped without `close()`
-    (torchrl never closes its schemes) is finalized by the garbage collector, after
-    every weak reference to it is dead when it sits in a reference cycle; its agent must
-    still be able to say STOP, close its sockets and remove their files then.
-    """
-
-    role: PublisherRole  # the protocol's rules (under `cond`; `seq` under `io`)
-    curve: CurveServer | None
-    gid: int | None
-    tap: bool
-    address: str = ""
-    buffers: tuple[BufferInfo, ...] = ()  # what a WELCOME names (set once they exist)
-    fill_mirror: Callable[[int], None] | None = None  # CUDA weights: copy a slot to the CPU
-    lock: threading.RLock = dataclasses.field(default_factory=threading.RLock)
-    cond: threading.Condition = dataclasses.field(init=False)
-    io: threading.Lock = dataclasses.field(default_factory=threading.Lock)
-    pipe_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
-    write_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
-    failure: BaseException | None = None
-    fd_limit: int = 1024  # the soft RLIMIT_NOFILE once raised at start
-    max_connections: int = 1024  # what the bound sockets may hold together (see Gate)
-
-    def __post_init__(self) -> None:
-        self.cond = threading.Condition(self.lock)
-
-
-class _Agent:
-    """The thread that owns the publisher's sockets (control, events, acks)."""
-
-    def __init__(self, shared: _Shared) -> None:
-        self.shared = shared
-        self.role = shared.role
-        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        self._closing: Deadline | None = None
-        self._started = threading.Event()
-        self._thread = threading.Thread(
-            target=self._run, name=f"zmqsync-pub-{shared.role.name}", daemon=True
-        )
-        self._pipe_in = self.ctx.socket(zmq.PAIR)
-        self._pipe_in.linger = 0
-        self._pipe_addr = f"inproc://zmqsync-pipe-{id(self)}"
-        self._pipe_in.bind(self._pipe_addr)
-        self._failure: BaseException | None = None
-        self.tap: zmq.Socket[bytes] | None = None
-        self.endpoints: dict[str, str] = {}  # cached: LAST_ENDPOINT is a socket call
-        self.closed = False  # the sockets are closed (set under `_io`)
-        self._auth: Authenticator | None = None
-        self._tap_key = secrets.token_bytes(16)  # see `_redacted`
-        self._orphaned = False  # stop() was called on this thread (see stop)
-
-    def start(self) -> None:
-        self._thread.start()
-        if not self._started.wait(10.0) or self._failure is not None:
-            failure = self._failure
-            self.stop()
-            raise failure or ZmqSyncError("publisher agent did not start within 10 s")
-
-    def command(self, cmd: bytes) -> None:
-        with self.shared.pipe_lock:
-            if not self._pipe_in.closed and not post(self._pipe_in, cmd):
-                log.debug("publisher agent gone: command %r dropped", cmd[:16])
-
-    def stop(self) -> None:
-        if threading.current_thread() is self._thread:
-            # The garbage collector finalized an unclosed Publisher on this very thread:
-            # the loop sees the command, says STOP, closes the sockets on its way out and
-            # releases the rest itself (it cannot wait for itself here).
-            self._orphaned = True
-            self.command(b"stop")
-            return
-        if self._thread.is_alive():
-            self.command(b"stop")
-            self._thread.join(_config.CLOSE_BYE_WAIT_S + _config.THREAD_JOIN_S)
-            if self._thread.is_alive():
-                log.warning("publisher agent thread did not stop within its deadline")
-        self._release()
-
-    def _release(self) -> None:
-        with self.shared.pipe_lock:
-            self._pipe_in.close()
-        if self._auth is not None:
-            self._auth.stop()
-        self.ctx.destroy(linger=0)
-
-    # --- the loop (agent thread) ---
-
-    def _run(self) -> None:
-        try:
-            self._bind()
-        except BaseException as exc:  # reported to start() on the user's thread
-            self._failure = exc
-            self._started.set()
-            return
-        self._started.set()
-        try:
-            self._loop()
-        except BaseException as exc:
-            log.exception("publisher agent failed")
-            self.shared.failure = exc
-            with self.shared.cond:
-                self.shared.cond.notify_all()
-        finally:
-            self.gate.close()
-            bound = [self.control, *self._bus_sockets()]
-            control = self.control.getsockopt_string(zmq.LAST_ENDPOINT)  # the others: cached
-            endpoints = [control, *(e for e in self.endpoints.values() if e)]
-            # A publishing thread may be using them; it holds `_io` for one bounded step.
-            if self.shared.io.acquire(timeout=IO_LOCK_S):
-                try:
-                    self.closed = True
-                    for sock in (self.pipe, *bound):
-                        sock.close()
-                finally:
-                    self.shared.io.release()
-            else:  # left to the context's destroy in stop()
-                log.warning("publisher agent: sockets still in use at exit; not closed here")
-            for endpoint in endpoints:  # libzmq leaves ipc socket files behind
-                if endpoint.startswith("ipc://"):
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(endpoint[len("ipc://") :])
-            if self._orphaned:
-                self._release()
-
-    def _bind(self) -> None:
-        address, shared = self.shared.address, self.shared
-        secure = shared.curve.apply if shared.curve is not None else None
-        if shared.curve is not None:
-            self._auth = Authenticator(self.ctx, shared.curve)
-        self.pipe = self.ctx.socket(zmq.PAIR)
-        self.pipe.linger = 0
-        self.pipe.connect(self._pipe_addr)
-        self.gate = Gate(
-            shared.max_connections - _config.CONTROL_CONNECTIONS,
-            _config.CONTROL_CONNECTIONS,
-            shared.fd_limit,
-            shared.role.handshake_rate,  # a worker connects to events once per handshake
-        )
-        self.control = bind(
-            self.ctx,
-            zmq.REP,
-            address,
-            secure,
-            max_bytes=_config.CONTROL_MAX_BYTES,
-            rcvhwm=_config.CONTROL_RCVHWM,
-        )
-
-        def events_options(sock: zmq.Socket[bytes]) -> None:
-            sock.setsockopt(zmq.XPUB_WELCOME_MSG, XPUB_WELCOME)
-            sock.setsockopt(zmq.SNDHWM, 100_000)
-            if secure is not None:
-                secure(sock)
-
-        def tap_options(sock: zmq.Socket[bytes]) -> None:
-            # Small HWM and NODROP: a slow or stopped sniffer makes send() fail at once
-            # (counted as tap_dropped); the bus itself never waits for a sniffer.
-            sock.setsockopt(zmq.SNDHWM, 1000)
-            sock.setsockopt(zmq.XPUB_NODROP, 1)
-            if secure is not None:
-                secure(sock)
-
-        # Subscribers only ever subscribe to everything: an empty prefix (see
-        # `_drain_subscriptions`), so subscription frames are tiny.
-        subscriptions = {
-            "max_bytes": _config.SUBSCRIPTION_MAX_BYTES,
-            "rcvhwm": _config.SUBSCRIPTION_RCVHWM,
-        }
-        self.events = bind(
-            self.ctx,
-            zmq.XPUB,
-            sibling_endpoint(address, "events"),
-            events_options,
-            **subscriptions,
-        )
-        self.acks = bind(
-            self.ctx,
-            zmq.PULL,
-            sibling_endpoint(address, "acks"),
-            secure,
-            max_bytes=_config.WORKER_MAX_BYTES,
-            rcvhwm=_config.WORKER_RCVHWM,
-        )
-        if shared.tap:
-            self.tap = bind(
-                self.ctx, zmq.XPUB, sibling_endpoint(address, "tap"), tap_options, **subscriptions
-            )
-        for sock in (self.control, self.events, self.acks, self.tap):
-            if sock is not None:
-                protect_ipc(sock, shared.gid)
-                endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-                xpub = sock is self.events or sock is self.tap
-                self.gate.watch(sock, endpoint, control=sock is self.control, rate_limited=xpub)
-        self._ack_poller = zmq.Poller()  # for the thread that holds `_io`
-        self._ack_poller.register(self.acks, zmq.POLLIN)
-        self.acks.rcvtimeo = int(_COLLECT_WAIT_S * 1000)  # only `collect` blocks in recv
-        self.endpoints = {
-            "events": self.events.getsockopt_string(zmq.LAST_ENDPOINT),
-            "acks": self.acks.getsockopt_string(zmq.LAST_ENDPOINT),
-            "tap": "" if self.tap is None else self.tap.getsockopt_string(zmq.LAST_ENDPOINT),
-        }
-        with shared.cond:
-            self.role.endpoints = Endpoints(
-                self.endpoints["events"],
-                self.endpoints["acks"],
-                self.endpoints["tap"],
-                shared.buffers,
-            )
-
-    def _loop(self) -> None:
-        # The shared sockets (acks, events, tap) are not polled here: a publishing thread
-        # reads the acks it waits for itself (see `Publisher._await`), and the agent
-        # drains them every SERVICE_S (heartbeats, BYEs, acks nobody waits for). Waiting
-        # on them here would wake this thread on every ack, to fight the publishing
-        # thread for the GIL.
-        poller = zmq.Poller()
-        poller.register(self.pipe, zmq.POLLIN)
-        poller.register(self.control, zmq.POLLIN)
-        monitors = self.gate.monitors()
-        for monitor in monitors:  # connections come and go: counted at once (see Gate)
-            poller.register(monitor, zmq.POLLIN)
-        io, beat = self.shared.io, self.role.heartbeat
-        next_beat = next_service = time.monotonic()
-        while True:
-            wake = min(next_beat, next_service)
-            ready = dict(poller.poll(max(0, int((wake - time.monotonic()) * 1000)) + 1))
-            for monitor in monitors:  # needs no socket of the bus: not under `_io`
-                if monitor in ready:
-                    self.gate.on_event(monitor)
-            now = time.monotonic()
-            if not (
-                self.pipe in ready
-                or self.control in ready
-                or now >= next_service
-                or now >= next_beat
-            ):
-                continue  # woken only by connections: leave `_io` to a publishing thread
-            if not io.acquire(timeout=IO_LOCK_S):
-                raise ZmqSyncError("a publishing thread held the sockets for too long")
-            try:
-                if self.pipe in ready and not self._on_commands():
-                    return
-                if self.control in ready:
-                    self._on_request()
-                now = time.monotonic()
-                if now >= next_service:
-                    self._service()
-                    next_service = now + _config.SERVICE_S
-                if now >= next_beat:
-                    self._beat(now)
-                    next_beat = now + beat
-            finally:
-                io.release()
-            if self._closing is not None and (
-                self._closing.expired() or not self.role.registry.members
-            ):
-                return
-
-    def _bus_sockets(self) -> list[zmq.Socket[bytes]]:
-        return [s for s in (self.acks, self.events, self.tap) if s is not None]
-
-    def _service(self) -> None:
-        """Drain the shared sockets (caller holds `_io`)."""
-        self._on_acks()
-        self._drain_subscriptions(self.events, self.endpoints["events"])
-        if self.tap is not None:
-            self._drain_subscriptions(self.tap, self.endpoints["tap"])
-
-    def collect(self, done: Callable[[], bool], deadline: Deadline) -> None:
-        """Handle acks on the calling thread until `done()` or the deadline (caller holds `_io`).
-
-        One blocking recv per ack, and one turn under the lock per ack (apply it, then ask
-        `done()`). A recv finds a queued ack without a system call; asking the socket
-        first whether one is there (ZMQ_EVENTS) makes one every time, and this thread
-        comes to each ack with cold caches after the workers ran, so every step counts.
-        """
-        shared, acks = self.shared, self.acks
-        msg: Message | None = None
-        now = 0.0
-        while True:
-            with shared.cond:
-                if msg is not None and self._on_worker_message(msg, now):
-                    shared.cond.notify_all()
-                if done():
-                    return
-            msg = None
-            left = deadline.remaining()
-            if left is not None and left < _COLLECT_WAIT_S:
-                if left <= 0:
-                    return
-                if not self._ack_poller.poll(deadline.poll_ms()):
-                    continue
-            try:  # a blocking recv (RCVTIMEO) costs less per ack than a poll, then a recv
-                part = acks.recv(copy=False)
-            except zmq.Again:
-                continue
-            msg = self._read(part)
-            now = time.monotonic()
-
-    def send_event(self, msg: Message, peer: str = "") -> None:
-        """Send on the events socket (caller holds `_io`)."""
-        frame = encode(msg)
-        self.events.send(frame)
-        if self.tap is not None:
-            self._mirror("out", peer, self._redacted(msg, frame))
-
-    def send_frame(self, frame: bytes, peer: str = "") -> None:
-        """Send an encoded event (caller holds `_io`)."""
-        self.events.send(frame)
-        self._mirror("out", peer, frame)
-
-    def _redacted(self, msg: Message, frame: bytes) -> bytes:
-        """`frame` as a sniffer may see it: sessions replaced by a keyed hash.
-
-        A session is a worker's capability: whoever knows it can ACK (or BYE) as that
-        worker, or re-join in its place. The tap shows the same stand-in for the same
-        session, so a capture still tells one session's messages apart from another's.
-        """
-        session = getattr(msg, "session", None)
-        if session is None:  # a message without a session field is shown as it is
-            return frame
-        if session:
-            session = hashlib.blake2b(session.encode(), key=self._tap_key, digest_size=8)
-            session = session.hexdigest()
-        return encode(dataclasses.replace(cast(Any, msg), session=session))
-
-    def _mirror(self, direction: str, peer: str, frame: bytes) -> None:
-        """Copy a frame to the tap, if open; never blocks (drops are counted)."""
-        if self.tap is None:
-            return
-        record = Tap(self.role.bus, time.time(), direction, peer[:128], frame)
-        try:
-            self.tap.send(encode(record), zmq.NOBLOCK)
-        except zmq.Again:
-            self._count("tap_dropped")
-
-    def _on_commands(self) -> bool:
-        while self.pipe.poll(0):
-            cmd = self.pipe.recv().split()
-            if cmd[0] == b"evict":
-                self.send_event(self.role.stop_for(cmd[1].decode(), "evicted"), cmd[2].decode())
-            elif cmd[0] == b"stop" and self._closing is None:
-                with self.shared.cond:
-                    stop = self.role.close()
-                self.send_event(stop)
-                self._closing = Deadline(_config.CLOSE_BYE_WAIT_S)
-        return True
-
-    def _on_request(self) -> None:
-        # Never a blocking recv: REP skips a message without the envelope delimiter and
-        # waits for the next one, so a peer sending such messages kept a blocking recv
-        # (and the heartbeats behind it) waiting for as long as it liked.
-        try:
-            frames = [self.control.recv(NOBLOCK)]
-            while self.control.rcvmore:  # a request is one frame; the rest is not kept
-                self.control.recv(NOBLOCK, copy=False)
-                frames.append(b"")
-        except zmq.Again:
-            return
-        reply: Message
-        peer = ""
-        try:
-            if len(frames) != 1:
-                raise ProtocolError(f"expected one frame, got {len(frames)}")
-            msg = decode(frames[0], bus=self.role.bus)
-            peer = msg.worker_id if isinstance(msg, Hello) else "inspector"
-            if self.tap is not None:
-                self._mirror("in", peer, self._redacted(msg, frames[0]))
-            if isinstance(msg, Hello):
-                reply = self._welcome(msg)
-            elif isinstance(msg, Inspect):
-                reply = self._state()
-            else:
-                raise ProtocolError(f"{msg.TYPE} is not a request")
-        except ProtocolError as exc:
-            self._count("rejected")
-            log.debug("rejected request: %s", printable(exc))
-            if not peer:
-                self._mirror("in", "", frames[0][:4096] if frames else b"")
-            reply = Error(self.role.bus, str(exc)[:1024])
-        frame = encode(reply)
-        self.control.send(frame)
-        if self.tap is not None:
-            if isinstance(reply, Welcome):  # handle bytes never reach a sniffer
-                redacted = tuple(dataclasses.replace(b, handle=b"") for b in reply.buffers)
-                reply = dataclasses.replace(reply, buffers=redacted)
-            self._mirror("out", peer, self._redacted(reply, frame))
-
-    def _welcome(self, hello: Hello) -> Welcome:
-        """Admit and register a worker (see `PublisherRole`); a worker that reads the CPU
-        copy of CUDA weights gets the current slot's copy made before its WELCOME."""
-        shared, role = self.shared, self.role
-        with shared.cond:
-            hello = role.admit(hello, time.monotonic(), connections_full=self.gate.full(2))
-        copy = role.cuda and hello.transport == "cpu"
-        with shared.write_lock if copy else contextlib.nullcontext():
-            with shared.cond:
-                welcome, old = role.welcome(hello, time.monotonic())
-                shared.cond.notify_all()
-            if copy and shared.fill_mirror is not None:
-                shared.fill_mirror(welcome.slot)
-        if old is None:
-            again = ""
-        elif old.session != hello.session:
-            again = " replacing a silent session"
-        else:  # the same process: re-joined, or asked for another transport
-            again = " again"
-            if old.transport != hello.transport:
-                again += f", now for {hello.transport}"
-        if old is not None:  # whoever still holds the old session learns it is over
-            self.send_event(role.stop_for(old.session, "replaced"), old.worker_id)
-        log.info(
-            "worker %s joined (pid %d, %s, %s)%s",
-            hello.worker_id,
-            hello.pid,
-            printable(hello.host),
-            hello.mode,
-            again,
-        )
-        if role.cuda:
-            note = hello.transport_note
-            log.info(
-                "worker %s reads the %s buffer%s",
-                hello.worker_id,
-                hello.transport,
-                f": {printable(note)}" if note else "",
-            )
-        return welcome
-
-    def _state(self) -> State:
-        connections = {"connections": self.gate.total, "refused_connections": self.gate.refused}
-        with self.shared.lock:
-            return self.role.state(time.monotonic(), pid=os.getpid(), extra=connections)
-
-    def _on_acks(self) -> None:
-        """Handle what waits on the acks socket (the caller holds `_io`).
-
-        Worker messages are decoded first and applied to the registry under one lock.
-        """
-        shared, acks, now = self.shared, self.acks, time.monotonic()
-        messages: list[Message] = []
-        budget = Drain()
-        while readable(acks):
-            part = acks.recv(copy=False)
-            msg = self._read(part)
-            if msg is not None:
-                messages.append(msg)
-            if not budget.spend(len(part)):
-                break
-        if messages:
-            with shared.cond:
-                changed = False
-                for msg in messages:
-                    changed |= self._on_worker_message(msg, now)
-                if changed:
-                    shared.cond.notify_all()
-
-    def _read(self, part: zmq.Frame) -> Message | None:
-        """A frame from the acks socket as a message; None (counted) if it is not one.
-
-        The frame says itself whether more parts follow (asking the socket, RCVMORE,
-        cost ~4 us more per ack on a cold thread).
-        """
-        frame, more = part.bytes, part.more
-        tail, budget = more, Drain()
-        while tail:  # multipart is not ours: read and drop (its parts come together)
-            try:
-                rest = self.acks.recv(copy=False)
-            except zmq.Again:
-                break
-            tail = rest.more and budget.spend(len(rest))
-        try:
-            if more:
-                raise ProtocolError("expected one frame, got several")
-            msg = decode(frame, bus=self.role.bus)
-        except ProtocolError as exc:
-            self._count("rejected")
-            log.debug("dropped message on acks: %s", printable(exc))
-            self._mirror("in", "", frame[:4096])
-            return None
-        if self.tap is not None:
-            self._mirror("in", getattr(msg, "worker_id", ""), self._redacted(msg, frame))
-        return msg
-
-    def _on_worker_message(self, msg: Message, now: float) -> bool:
-        """Apply one worker message (caller holds `cond`); True if waiters should look."""
-        changed = self.role.on_worker_message(msg, now)
-        if changed and isinstance(msg, Bye):
-            log.info("worker %s left", msg.worker_id)
-        return changed
-
-    def _beat(self, now: float) -> None:
-        role = self.role
-        self.send_event(role.heartbeat_event())
-        with self.shared.cond:
-            lost = role.drop_silent(now)
-            if lost:
-                self.shared.cond.notify_all()
-        for member in lost:
-            log.info("worker %s silent for %.1f s: dropped", member.worker_id, role.silent_after)
-            self.send_event(role.stop_for(member.session, "silent too long"), member.worker_id)
-
-    def _drain_subscriptions(self, sock: zmq.Socket[bytes], endpoint: str) -> None:
-        """Read what peers sent an XPUB socket; drop anyone who sent more than the protocol.
-
-        A subscriber subscribes to everything (an empty prefix), once per connection,
-        and the welcome frame did the rest. libzmq keeps every other subscription a peer
-        sends in a tree, ~1 KiB per distinct prefix, until that peer leaves: a peer that
-        sends one is disconnected here, once, which frees it. Unsubscriptions cost
-        nothing (libzmq also makes them itself when a peer leaves). A flood is read as
-        fast as it comes: per frame one recv and a comparison.
-        """
-        # Read all there is (up to a bound): each junk frame left waiting is a peer not
-        # dropped yet, feeding libzmq more subscriptions with every socket call.
-        budget, rejected, dropped, seen = Drain(frames=16 * _config.DRAIN_MAX), 0, 0, set()
-        while readable(sock):
-            frame = sock.recv(copy=False)
-            data = frame.bytes
-            if data[:1] != b"\x00" and data != _SUBSCRIBE_ALL:
-                rejected += 1
-                fd = source_fd(frame)
-                if fd is not None and fd not in seen:
-                    seen.add(fd)
-                    dropped += shutdown_fd(fd, endpoint)
-            if not budget.spend(len(data)):
-                break
-        if rejected:
-            with self.shared.lock:
-                self.role.counters["rejected"] += rejected
-                self.role.counters["dropped_peers"] += dropped
-
-    def _count(self, what: str) -> None:
-        with self.shared.lock:
-            self.role.counters[what] += 1
