@@ -14,8 +14,16 @@ The link to the publisher is the ZeroMQ Guide's Clone client:
    agent re-handshakes by itself when a publisher answers again (a new ``bus`` id means
    new buffers).
 
-Only the agent thread touches the sockets. In ``apply="manual"`` mode it only records the
-newest version; the user's thread applies it inside `poll()` and asks the agent to ACK.
+Three objects, one concern each:
+
+- `Link` (``_link.py``): the rules of steps 1, 3 and 4 and the link's state, without
+  I/O. It takes decoded messages and the time and says what to do.
+- `_Agent`: the thread that owns the sockets. It decodes each frame, hands the message
+  to the Link and carries out the answer: apply through its `_Port`, send on ``acks``.
+- `Subscriber`: what the worker uses; it owns the mapped buffers and the model, and
+  applies versions. It gives the agent a `_Port` (weak calls, see there) and never
+  touches the sockets. In ``apply="manual"`` mode the agent only records the newest
+  version; the user's thread applies it inside `poll()` and asks the agent to ACK.
 
 Transport (see ``_transport.py`` and docs/cuda.md): the HELLO says which transport the
 worker asks for; after WELCOME `choose_transport` decides with what the bus offers,
@@ -29,7 +37,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import enum
 import logging
 import os
 import socket
@@ -39,7 +46,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import torch
 import zmq
@@ -48,25 +55,24 @@ from . import _config, _lifecycle
 from ._apply import Target
 from ._buffers import CpuAttachment, CudaAttachment
 from ._buffers import cuda as _cuda
+from ._config import DEFAULT, XPUB_WELCOME
 from ._deadline import Deadline
 from ._errors import BufferUnavailable, ClosedError, ConnectTimeout, ProtocolError, ZmqSyncError
 from ._layout import Key, Layout, flatten
+from ._link import Action, Handshake, Link, LinkState, Lost, Offer, Rejected, Repair, Stopped
 from ._protocol import (
     Ack,
     Bye,
     Error,
     Heartbeat,
     Hello,
-    Receive,
-    Stop,
     Welcome,
     decode,
     encode,
     template,
 )
-from ._publisher import DEFAULT, XPUB_WELCOME
 from ._security import CurveClient, client_from_env
-from ._sockets import NOBLOCK, connect, request, resolve_endpoint
+from ._sockets import NOBLOCK, Secure, connect, request, resolve_endpoint
 from ._text import printable
 from ._transport import (
     Decision,
@@ -85,18 +91,10 @@ log = logging.getLogger(__name__)
 _APPLY_ATTEMPTS = 100
 _WAKE = b"\x01"  # from the subscriber's own inproc PUB: look at the flags (never a message)
 _WAIT_CAP_S = 0.1
-_EVENTS = (Receive, Stop)  # numbered events (a tuple: ``A | B`` builds a union per call)
-
-
-class _Link(enum.Enum):
-    # NEW: start() not called yet.
-    NEW = 0
-    # ACTIVE: WELCOME applied; applying RECEIVEs in seq order.
-    ACTIVE = 1
-    # LOST: silence for ~6 beats, STOP, or eviction: keep the last whole version, report
-    #       connected == False, try a new handshake once per heartbeat.
-    LOST = 2
-    CLOSED = 3
+_P = ParamSpec("_P")
+_A = TypeVar("_A")
+_R = TypeVar("_R")
+_S = TypeVar("_S")
 
 
 @dataclass
@@ -105,13 +103,6 @@ class Reading:
 
     version: int
     torn: bool = False
-
-
-@dataclass(frozen=True)
-class _Offer:
-    bus: str
-    version: int
-    slot: int
 
 
 class Subscriber:
@@ -175,13 +166,12 @@ class Subscriber:
         self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)
         self._apply_lock = threading.Lock()
-        self._link = _Link.NEW
+        self._closed = False
         self._failure: BaseException | None = None
-        self._stopped = False  # the publisher said STOP (bus closed)
-        self._bus = ""
+        self._bus = ""  # of the buffers mapped now
         self._version = -1
         self._version_bus = ""
-        self._pending: _Offer | None = None
+        self._pending: Offer | None = None
         self._held: tuple[int, int] | None = None  # (slot, seqlock counter) aliased now
         self._target: Target | None = None
         self._attachment: CpuAttachment | None = None
@@ -191,6 +181,8 @@ class Subscriber:
         self._transport = Decision("", "")
         self._agent: _Agent | None = None
         self.counters: dict[str, int] = {"applied": 0, "rejected": 0, "foreign": 0, "gaps": 0}
+        # Driven by the agent thread only (from start()); this thread reads its state.
+        self._link = Link(self.worker_id, mode, self.counters)
 
     # --- lifecycle -----------------------------------------------------------------
 
@@ -203,13 +195,13 @@ class Subscriber:
             ProtocolError: the publisher's answer is not valid (or it refused us).
             BufferUnavailable: its segment cannot be mapped here (shm dir differs).
         """
-        if self._link == _Link.CLOSED:
+        if self._closed:
             raise ClosedError(f"Subscriber {self.name!r} is closed; create a new one")
-        if self._link != _Link.NEW:
+        if self._link.state is not LinkState.NEW:
             return self
         self.address = self._address_arg or _config.default_address(self.name)
         self._pid = os.getpid()
-        self._agent = _Agent(self)
+        self._agent = _Agent(self._link, self._port(), f"zmqsync-sub-{self.name}")
         self._agent.start(Deadline(self._timeout))
         _lifecycle.track(self)
         log.info(
@@ -224,9 +216,9 @@ class Subscriber:
 
     def close(self) -> None:
         """Send BYE, release the slot, unmap. Idempotent; the model keeps its weights."""
-        if self._link == _Link.CLOSED:
+        if self._closed:
             return
-        self._link = _Link.CLOSED
+        self._closed = True
         if os.getpid() != self._pid:  # inherited through fork: the parent's to close
             return
         if self._agent is not None:
@@ -247,7 +239,8 @@ class Subscriber:
     def __del__(self) -> None:
         # Close first, warn after: with warnings turned into errors the warning would
         # otherwise end __del__ before anything is released.
-        if getattr(self, "_link", _Link.CLOSED) not in (_Link.CLOSED, _Link.NEW):
+        link: Link | None = getattr(self, "_link", None)
+        if link is not None and not self._closed and link.state is not LinkState.NEW:
             unclosed = f"unclosed {self!r}"
             with contextlib.suppress(Exception):
                 self.close()
@@ -258,7 +251,10 @@ class Subscriber:
             )
 
     def __repr__(self) -> str:
-        link = "connected" if self.connected else self._link.name.lower()
+        if self._closed:
+            link = "closed"
+        else:
+            link = "connected" if self.connected else self._link.state.name.lower()
         return f"<Subscriber {self.name!r} v{self._version} {self.mode}/{self.apply} {link}>"
 
     # --- what the worker uses ------------------------------------------------------
@@ -271,7 +267,7 @@ class Subscriber:
     @property
     def connected(self) -> bool:
         """False while the publisher is unreachable (the last version stays in use)."""
-        return self._link == _Link.ACTIVE
+        return not self._closed and self._link.connected
 
     @property
     def transport(self) -> str:
@@ -286,7 +282,7 @@ class Subscriber:
     @property
     def stopped(self) -> bool:
         """True after the publisher closed the bus (until a new publisher answers)."""
-        return self._stopped
+        return self._link.stopped
 
     @property
     def weights(self) -> Any:
@@ -307,7 +303,7 @@ class Subscriber:
         deadline = Deadline(timeout)
         with self._cond:
             while self._pending is None:
-                if deadline.expired() or self._link == _Link.CLOSED:
+                if deadline.expired() or self._closed:
                     return False
                 self._cond.wait(deadline.wait_s(0.5))
                 self._check_usable()
@@ -339,7 +335,7 @@ class Subscriber:
         """Block until the publisher closes the bus; False if the deadline passed first."""
         deadline = Deadline(self._timeout if timeout is DEFAULT else timeout)
         with self._cond:
-            while not self._stopped:
+            while not self._link.stopped:
                 self._check_usable()
                 if deadline.expired():
                     return False
@@ -370,11 +366,52 @@ class Subscriber:
     def _check_usable(self) -> None:
         if self._failure is not None:
             raise ZmqSyncError(f"subscriber agent failed: {self._failure!r}") from self._failure
-        if self._link in (_Link.CLOSED, _Link.NEW):
-            state = "closed" if self._link == _Link.CLOSED else "not started"
+        if self._closed or self._link.state is LinkState.NEW:
+            state = "closed" if self._closed else "not started"
             raise ClosedError(f"Subscriber {self.name!r} is {state}")
 
-    def _offer(self, offer: _Offer) -> int | None:
+    # --- what the agent may ask (see _Port) ---
+
+    def _port(self) -> _Port:
+        return _Port(
+            address=self.address,
+            secure=self._secure,
+            timeout=self._timeout,
+            transport=_weakly(self, Subscriber._initial_transport),
+            adopt=_weakly(self, Subscriber._adopt),
+            latest=_weakly(self, Subscriber._latest),
+            join=_weakly(self, Subscriber._join),
+            offer=_weakly_1(self, Subscriber._offer),
+            version=_weakly(self, Subscriber._current_version),
+            fail=_weakly(self, Subscriber._fail),
+            notify=_weakly(self, Subscriber._notify),
+        )
+
+    def _latest(self) -> tuple[int, int] | None:
+        attachment = self._attachment
+        return attachment.header.latest() if attachment is not None else None
+
+    def _current_version(self) -> int:
+        return self._version
+
+    def _fail(self, exc: BaseException) -> None:
+        self._failure = exc
+
+    def _notify(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    def _join(self, offer: Offer) -> int | None:
+        """After a WELCOME: the version to ACK, if any. The first join applies `offer`
+        whatever the apply mode (start() returns computing with it); a re-join offers it
+        like any version, and one that finds its bus's version applied ACKs it again."""
+        first = not self._version_bus
+        applied = self._apply_offer(offer) if first else self._offer(offer)
+        if applied is None and self._version_bus == offer.bus:
+            applied = self._version  # re-joined the same bus: already computing with it
+        return applied
+
+    def _offer(self, offer: Offer) -> int | None:
         """A version arrived (agent thread). Background: apply it now. Manual: keep it."""
         if offer.bus == self._version_bus and offer.version <= self._version:
             return None
@@ -385,7 +422,7 @@ class Subscriber:
             self._cond.notify_all()
         return None
 
-    def _apply_offer(self, offer: _Offer) -> int | None:
+    def _apply_offer(self, offer: Offer) -> int | None:
         """Apply `offer` or a newer version; the version applied, or None (stale)."""
         with self._apply_lock:
             attachment, views, target = self._attachment, self._views, self._target
@@ -560,24 +597,70 @@ def _synchronize(devices: tuple[torch.device, ...]) -> None:
         torch.cuda.synchronize(device)
 
 
-class _Agent:
-    """The thread that owns the subscriber's sockets (handshake REQ, events SUB, acks PUSH)."""
+def _weakly(obj: _S, method: Callable[Concatenate[_S, _P], _R]) -> Callable[_P, _R]:
+    """``obj.method`` without keeping `obj` alive: once it is collected, a call raises
+    ReferenceError (as a `weakref.proxy` would)."""
+    ref = weakref.ref(obj)
 
-    def __init__(self, sub: Subscriber) -> None:
-        # A proxy: the thread never keeps an unclosed Subscriber alive. When one is
-        # collected (its weak references die first, in a reference cycle), the proxy
-        # raises ReferenceError here; the thread then says BYE with what it keeps itself.
-        self.sub: Subscriber = weakref.proxy(sub)
-        self.worker_id = sub.worker_id
-        self.bus = ""
-        self.slots = 0  # of the bus joined: a RECEIVE for another slot is not ours
+    def call(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        target = ref()
+        if target is None:
+            raise ReferenceError("the Subscriber was collected")
+        return method(target, *args, **kwargs)
+
+    return call
+
+
+def _weakly_1(obj: _S, method: Callable[[_S, _A], _R]) -> Callable[[_A], _R]:
+    """`_weakly` for a method of one argument, passed without packing it in a tuple:
+    the apply runs once per version, and ``*args`` cost it ~0.1 us."""
+    ref = weakref.ref(obj)
+
+    def call(arg: _A) -> _R:
+        target = ref()
+        if target is None:
+            raise ReferenceError("the Subscriber was collected")
+        return method(target, arg)
+
+    return call
+
+
+@dataclass(frozen=True, slots=True)
+class _Port:
+    """Everything the agent thread may ask of its Subscriber, and nothing else.
+
+    The calls are weak: the thread never keeps an unclosed Subscriber alive. When one is
+    collected (in a reference cycle its weak references die before its finalizer runs),
+    a call raises ReferenceError; the thread then says BYE with what the Link holds.
+    """
+
+    address: str  # the control address
+    secure: Secure  # CURVE for every socket, or None
+    timeout: float | None  # the handshake's (caps the wait for the subscription)
+    transport: Callable[[], Decision]  # what the first HELLO asks for
+    # map a WELCOME's buffers (None) or name the transport a second HELLO must ask for
+    adopt: Callable[[Welcome, Hello, Decision | None], Decision | None]
+    latest: Callable[[], tuple[int, int] | None]  # the mapped header's latest
+    join: Callable[[Offer], int | None]  # after a WELCOME: the version to ACK
+    offer: Callable[[Offer], int | None]  # a version arrived: the version to ACK
+    version: Callable[[], int]  # what the model computes with
+    fail: Callable[[BaseException], None]  # the thread failed: raise it to the user
+    notify: Callable[[], None]  # the link changed: wake whoever waits on it
+
+
+class _Agent:
+    """The thread that owns the subscriber's sockets (handshake REQ, events SUB, acks PUSH).
+
+    A socket loop: what to do with each message and each beat is the `Link`'s decision;
+    applying is the Subscriber's (through `port`).
+    """
+
+    def __init__(self, link: Link, port: _Port, name: str) -> None:
+        self.link = link
+        self.port = port
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self.events: zmq.Socket[bytes] | None = None
         self.acks: zmq.Socket[bytes] | None = None
-        self.session = ""
-        self.last_seq = 0
-        self.heartbeat = 0.5
-        self.last_heard = time.monotonic()
         self._started = threading.Event()
         self._startup: BaseException | None = None
         self._deadline = Deadline(10.0)
@@ -592,9 +675,12 @@ class _Agent:
         self._wake.linger = 0
         self._wake_addr = f"inproc://zmqsync-sub-wake-{id(self)}"
         self._wake.bind(self._wake_addr)
-        self._thread = threading.Thread(
-            target=self._run, name=f"zmqsync-sub-{sub.name}", daemon=True
-        )
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    @property
+    def session(self) -> str:
+        """This worker's session on the bus joined ("" before the first WELCOME)."""
+        return self.link.session
 
     def start(self, deadline: Deadline) -> None:
         self._deadline = deadline
@@ -614,7 +700,7 @@ class _Agent:
 
     def ack_from_user(self, version: int, bus: str) -> None:
         """Manual mode: ACK what the user's thread just applied (if still on that bus)."""
-        if bus == self.sub._bus:
+        if bus == self.link.bus:
             self._ack(version)
 
     def stop(self) -> None:
@@ -631,7 +717,6 @@ class _Agent:
     # --- agent thread ---
 
     def _run(self) -> None:
-        sub = self.sub
         try:
             self._handshake(self._deadline, attempts=_config.HANDSHAKE_ATTEMPTS)
         except BaseException as exc:
@@ -647,12 +732,14 @@ class _Agent:
         except BaseException as exc:
             log.exception("subscriber agent failed")
             with contextlib.suppress(ReferenceError):
-                sub._failure = exc
+                self.port.fail(exc)
         finally:
-            self._send(Bye(self.bus, self.worker_id, self.session), linger_ms=200)
+            bye = self.link.close()
+            if bye is not None:
+                self._send(bye, linger_ms=200)
             self._close_sockets()
-            with contextlib.suppress(ReferenceError), sub._cond:
-                sub._cond.notify_all()
+            with contextlib.suppress(ReferenceError):
+                self.port.notify()
 
     def _close_sockets(self) -> None:
         with self._send_lock:
@@ -661,71 +748,43 @@ class _Agent:
                     sock.close()
 
     def _handshake(self, deadline: Deadline, attempts: int) -> None:
-        sub = self.sub
-        transport, note = sub._initial_transport()
-        # The session held now (none at first) proves a re-join is this same process:
-        # the publisher refuses a HELLO for a worker id whose session is alive otherwise.
-        hello = Hello(
-            "",
-            sub.worker_id,
-            os.getpid(),
-            socket.gethostname()[:255],
-            sub.mode,
-            transport,
-            note,
-            self.session,
-        )
+        link, port = self.link, self.port
+        transport, note = port.transport()
+        hello = link.hello(os.getpid(), socket.gethostname()[:255], transport, note)
         reply = self._request_welcome(hello, deadline, attempts)
         # map and check the buffers first: a hostile WELCOME stops here
-        fallback = sub._adopt(reply, hello)
+        fallback = port.adopt(reply, hello, None)
         if fallback is not None:  # what the HELLO asked for cannot work here: say why
-            hello = dataclasses.replace(
-                hello,
-                transport=fallback.transport,
-                transport_note=fallback.reason,
-                session=reply.session,
-            )
+            hello = link.fallback_hello(hello, reply, fallback.transport, fallback.reason)
             reply = self._request_welcome(hello, deadline, attempts)
-            sub._adopt(reply, hello, forced=fallback)
-        events = resolve_endpoint(sub.address, reply.events)
+            port.adopt(reply, hello, fallback)
+        events = resolve_endpoint(port.address, reply.events)
         self._subscribe(events, deadline, reply.heartbeat)
-        acks = connect(self.ctx, zmq.PUSH, resolve_endpoint(sub.address, reply.acks), sub._secure)
+        acks = connect(self.ctx, zmq.PUSH, resolve_endpoint(port.address, reply.acks), port.secure)
         acks.setsockopt(zmq.SNDHWM, 10_000)
         with self._send_lock:  # the user's thread may be sending a manual-mode ACK
             if self.acks is not None:
                 self.acks.close()
             self.acks = acks
-        self.session, self.last_seq, self.heartbeat = reply.session, reply.seq, reply.heartbeat
-        self.bus, self.slots = reply.bus, reply.slots
-        self.last_heard = time.monotonic()
-        with sub._cond:
-            if sub._link == _Link.CLOSED:
-                return
-            sub._link, sub._stopped = _Link.ACTIVE, False
-            sub._cond.notify_all()
-        assert sub._attachment is not None
-        offer = _Offer(reply.bus, reply.version, reply.slot)
-        latest = sub._attachment.header.latest()
-        if latest is not None and latest[0] > reply.version:
-            offer = _Offer(reply.bus, *latest)
-        first = not sub._version_bus
-        applied = sub._apply_offer(offer) if first else sub._offer(offer)
-        if applied is None and sub._version_bus == reply.bus:
-            applied = sub._version  # re-joined the same bus: already computing with it
+        offer = link.welcome(reply, time.monotonic(), port.latest())
+        port.notify()  # connected, and not stopped
+        if offer is None or self._terminating:
+            return
+        applied = port.join(offer)
         if applied is not None:
             self._ack(applied)
 
     def _request_welcome(self, hello: Hello, deadline: Deadline, attempts: int) -> Welcome:
         """HELLO -> WELCOME (Lazy Pirate), retried while the publisher says it is busy."""
-        sub = self.sub
+        address = self.port.address
         while True:
             reply = request(
                 self.ctx,
-                sub.address,
+                address,
                 hello,
                 deadline=deadline,
                 attempts=attempts,
-                secure=sub._secure,
+                secure=self.port.secure,
             )
             if not (isinstance(reply, Error) and reply.reason.startswith("busy:")):
                 break
@@ -737,12 +796,12 @@ class _Agent:
                 break
             time.sleep(0.05)
         if isinstance(reply, Error):
-            raise ProtocolError(f"the publisher at {sub.address} refused us: {reply.reason}")
+            raise ProtocolError(f"the publisher at {address} refused us: {reply.reason}")
         if not isinstance(reply, Welcome):
             raise ProtocolError(f"expected WELCOME, got {reply.TYPE}")
         # endpoints first: a WELCOME pointing elsewhere is refused before anything is mapped
-        resolve_endpoint(sub.address, reply.events)
-        resolve_endpoint(sub.address, reply.acks)
+        resolve_endpoint(address, reply.events)
+        resolve_endpoint(address, reply.acks)
         return reply
 
     def _subscribe(self, endpoint: str, deadline: Deadline, heartbeat: float) -> None:
@@ -750,7 +809,7 @@ class _Agent:
         if self.events is not None:
             self.events.close()
         self.events = connect(
-            self.ctx, zmq.SUB, endpoint, self.sub._secure, max_bytes=_config.EVENT_MAX_BYTES
+            self.ctx, zmq.SUB, endpoint, self.port.secure, max_bytes=_config.EVENT_MAX_BYTES
         )
         self.events.setsockopt(zmq.SUBSCRIBE, b"")
         self.events.setsockopt(zmq.RCVHWM, 100_000)
@@ -758,7 +817,7 @@ class _Agent:
         # The loop's longest wait: a fraction of a beat, and short enough that a lost
         # wake-up frame still lets close() finish soon.
         self.events.rcvtimeo = max(1, int(min(heartbeat / 2, _WAIT_CAP_S) * 1000))
-        while self.events.poll(deadline.poll_ms(cap_s=self.sub._timeout)) & zmq.POLLIN:
+        while self.events.poll(deadline.poll_ms(cap_s=self.port.timeout)) & zmq.POLLIN:
             if self.events.recv() == XPUB_WELCOME:
                 return
         raise ConnectTimeout(f"no subscription confirmation from {endpoint} in time")
@@ -768,82 +827,76 @@ class _Agent:
         # zmq_poll per version cost a worker ~20 us of CPU, as much as the rest of a raw
         # round trip. The socket's RCVTIMEO bounds the wait (heartbeats, the LOST
         # state's retries), and close() wakes it through the inproc PUB it is also
-        # connected to.
-        next_beat = time.monotonic()
+        # connected to. One clock reading per frame serves the Link and the beat.
+        link = self.link
         while not self._terminating:
             events = self.events
             if events is None:  # not subscribed (between handshake attempts)
-                time.sleep(min(self.heartbeat, _WAIT_CAP_S))
+                time.sleep(min(link.heartbeat, _WAIT_CAP_S))
+                now = time.monotonic()
             else:
                 try:
                     frame = events.recv()
                 except zmq.Again:  # RCVTIMEO: time to look at the clock
-                    pass
+                    now = time.monotonic()
                 else:  # a frame queued behind it is the next recv()'s, at once
+                    now = time.monotonic()
                     if frame != XPUB_WELCOME and frame != _WAKE:
-                        self._on_event(frame)
-            now = time.monotonic()
-            if now >= next_beat:
-                self._tick(now)
-                next_beat = now + self.heartbeat
+                        self._on_frame(frame, now)
+            if now >= link.next_tick:
+                for action in link.tick(now, self.port.version()):
+                    self._do(action)
 
-    def _on_event(self, frame: bytes) -> None:
-        sub = self.sub
+    def _on_frame(self, frame: bytes, now: float) -> None:
         try:
             msg = decode(frame)
         except ProtocolError as exc:
-            sub.counters["rejected"] += 1
+            self.link.on_invalid()
             log.debug("dropped event: %s", printable(exc))
             return
-        if msg.bus != sub._bus:
-            sub.counters["foreign"] += 1
-            if isinstance(msg, Heartbeat) and not msg.worker_id:
-                self._lose("a new publisher answers at the address")
-            return
-        self.last_heard = time.monotonic()
-        if isinstance(msg, Receive) and msg.slot >= self.slots:
-            sub.counters["rejected"] += 1
-            log.debug("dropped RECEIVE v%d for slot %d of %d", msg.version, msg.slot, self.slots)
-            return
-        if isinstance(msg, _EVENTS):
-            if msg.seq <= self.last_seq:
-                return  # already covered by the WELCOME
-            if msg.seq > self.last_seq + 1:
-                sub.counters["gaps"] += 1
-            self.last_seq = msg.seq
-        if isinstance(msg, Receive):
-            applied = sub._offer(_Offer(msg.bus, msg.version, msg.slot))
+        action = self.link.on_event(msg, now)
+        if type(action) is Offer:  # one per version: straight to the apply
+            applied = self.port.offer(action)
             if applied is not None:
                 self._ack(applied)
-        elif isinstance(msg, Stop):
-            if not msg.session:
-                with sub._cond:
-                    sub._stopped = True
-                self._lose(f"publisher sent STOP ({msg.reason})")
-            elif msg.session == self.session:
-                self._lose(f"evicted ({msg.reason})")
-        elif isinstance(msg, Heartbeat) and msg.seq > self.last_seq:
-            sub.counters["gaps"] += 1  # missed an event: the header names the latest
-            self.last_seq = msg.seq
-            latest = sub._attachment.header.latest() if sub._attachment else None
-            if latest is not None:
-                applied = sub._offer(_Offer(msg.bus, *latest))
-                if applied is not None:
-                    self._ack(applied)
+        elif action is not None:
+            self._do(action)
 
-    def _tick(self, now: float) -> None:
-        sub = self.sub
-        if sub._link == _Link.ACTIVE:
-            self._send(Heartbeat(sub._bus, 0, sub.worker_id, self.session, max(sub._version, -1)))
-            if now - self.last_heard > self.heartbeat * _config.LOST_AFTER_BEATS:
-                self._lose("publisher silent")
-            return
-        if sub._link != _Link.LOST:
-            return
-        try:  # LOST: one short handshake attempt per beat
-            self._handshake(Deadline(self.heartbeat * 2), attempts=1)
+    def _do(self, action: Action) -> None:
+        """Carry out what the Link decided."""
+        if isinstance(action, Offer):  # first: one per version
+            applied = self.port.offer(action)
+            if applied is not None:
+                self._ack(applied)
+        elif isinstance(action, Heartbeat):
+            self._send(action)
+        elif isinstance(action, Repair):
+            offer = self.link.repair(self.port.latest())
+            if offer is not None:
+                self._do(offer)
+        elif isinstance(action, Lost):
             log.info(
-                "subscriber %s re-joined %s at version %d", sub.worker_id, sub.address, sub._version
+                "subscriber %s lost the publisher: %s",
+                self.link.worker_id,
+                printable(action.reason),
+            )
+            self.port.notify()
+        elif isinstance(action, Stopped):
+            self.port.notify()
+        elif isinstance(action, Rejected):
+            log.debug("dropped %s", action.reason)
+        elif isinstance(action, Handshake):
+            self._rejoin()
+
+    def _rejoin(self) -> None:
+        """LOST: one short handshake attempt (the Link asks once per beat)."""
+        try:
+            self._handshake(Deadline(self.link.heartbeat * 2), attempts=1)
+            log.info(
+                "subscriber %s re-joined %s at version %d",
+                self.link.worker_id,
+                self.port.address,
+                self.port.version(),
             )
         except (ConnectTimeout, ProtocolError, BufferUnavailable) as exc:
             # BufferUnavailable: the segment a WELCOME named is gone — its publisher was
@@ -851,19 +904,10 @@ class _Agent:
             # new publisher's WELCOME; giving up here would strand the worker for good.
             log.debug("re-handshake failed: %s", printable(exc))
 
-    def _lose(self, why: str) -> None:
-        sub = self.sub
-        if sub._link == _Link.ACTIVE:
-            log.info("subscriber %s lost the publisher: %s", self.worker_id, printable(why))
-        with sub._cond:
-            if sub._link == _Link.ACTIVE:
-                sub._link = _Link.LOST
-            sub._cond.notify_all()
-
     def _ack(self, version: int) -> None:
         """ACK from a template: bus, worker id and session change only on a re-join."""
-        sub = self.sub
-        key = (sub._bus, sub.worker_id, self.session)
+        link = self.link
+        key = (link.bus, link.worker_id, link.session)
         acks = self._acks
         if acks is None or acks[0] != key:  # a race only builds it twice
             acks = self._acks = (key, template(Ack, bus=key[0], worker_id=key[1], session=key[2]))
@@ -874,7 +918,7 @@ class _Agent:
 
     def _send_frame(self, frame: bytes, kind: str, linger_ms: int = 0) -> None:
         with self._send_lock:
-            if self.acks is None or self.acks.closed or not self.session:
+            if self.acks is None or self.acks.closed or not self.link.session:
                 return
             try:
                 self.acks.send(frame, NOBLOCK)

@@ -1,0 +1,297 @@
+"""The subscriber's side of the link to a publisher, without I/O: decisions, not sockets.
+
+A `Link` takes decoded messages and the time, and returns what to do. The subscriber's
+agent thread owns the sockets: it decodes each frame (``_protocol.decode``), passes the
+message to `Link.on_event` with the time it read, calls `Link.tick` once `Link.next_tick`
+has passed, and carries out what they return. Tests drive a Link directly with an
+explicit `now`. Nothing here reads a clock, a socket or shared memory: the version the
+shared-memory header names as the latest is handed in (`welcome`, `repair`).
+
+States::
+
+    NEW --welcome--> ACTIVE --silence, STOP, eviction, a new publisher--> LOST
+                       ^                                                 |
+                       +------welcome (a handshake tried once per beat)---+
+    any state --close--> CLOSED
+
+Invariants (the ZeroMQ Guide's Clone client, with liveness):
+
+1. **Each event once, in order.** An event (RECEIVE, STOP) with ``seq <= last_seq`` is
+   dropped; ``last_seq`` starts at ``WELCOME.seq``, so a late joiner never applies twice
+   what the WELCOME already covered. A jump in seq is counted (``gaps``).
+2. **A missed event is repaired, never replayed.** A publisher HEARTBEAT carrying a seq
+   newer than ``last_seq`` means an event was lost: the repair is the version the
+   shared-memory header names as the latest, which is always the newest whole one.
+3. **Only the bus joined counts.** A message of another bus is counted (``foreign``) and
+   ignored, except a publisher's HEARTBEAT: a new publisher answers at the address, so
+   the link is lost and the next handshake joins the new bus.
+4. **Slots are checked against the bus.** A RECEIVE, or a header's latest, naming a slot
+   outside ``[0, slots)`` is dropped and counted (``rejected``): it would index past the
+   mapping.
+5. **Liveness.** Any message of our bus is proof of life. An ACTIVE link becomes LOST
+   when the publisher is silent for more than ``LOST_AFTER_BEATS`` heartbeats, on STOP
+   for the bus (``stopped``) or for our session (evicted). LOST keeps the last whole
+   version and asks for a handshake once per heartbeat. Every HELLO carries the session
+   held now: it proves to the publisher that a re-join comes from this same process.
+6. **Heartbeats only while ACTIVE,** one per heartbeat interval.
+7. **CLOSED is final** and ignores everything.
+
+Threads: one thread drives a Link (the agent's). Other threads only read single
+attributes (`state`, `stopped`, `bus`, `session`, the counters).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass
+from typing import TypeAlias
+
+from ._config import LOST_AFTER_BEATS
+from ._protocol import Bye, Heartbeat, Hello, Message, Receive, Stop, Welcome
+
+__all__ = [
+    "Action",
+    "Handshake",
+    "Link",
+    "LinkState",
+    "Lost",
+    "Offer",
+    "Rejected",
+    "Repair",
+    "Stopped",
+]
+
+_COUNTERS = ("rejected", "foreign", "gaps")
+
+
+class LinkState(enum.Enum):
+    # NEW: no WELCOME adopted yet.
+    NEW = 0
+    # ACTIVE: a WELCOME adopted; events applied in seq order, heartbeats both ways.
+    ACTIVE = 1
+    # LOST: silence, STOP or eviction: keep the last whole version, report
+    #       connected == False, try a handshake once per heartbeat.
+    LOST = 2
+    # CLOSED: final; nothing more is done or sent.
+    CLOSED = 3
+
+
+# --- what a Link asks its owner to do ------------------------------------------------------
+
+
+@dataclass(slots=True)  # not frozen: that costs ~0.25 us per version; never changed
+class Offer:
+    """Apply version `version` from slot `slot` of bus `bus` (or a newer one the header
+    names), then ACK the version applied."""
+
+    bus: str
+    version: int
+    slot: int
+
+
+@dataclass(frozen=True, slots=True)
+class Repair:
+    """An event was missed: read the header's latest and pass it to `Link.repair`."""
+
+
+@dataclass(frozen=True, slots=True)
+class Lost:
+    """The link went from ACTIVE to LOST just now, for `reason` (peer text: print it
+    escaped). Waiters must look again: ``connected`` is False (and maybe ``stopped``)."""
+
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Stopped:
+    """The publisher closed the bus while the link was already LOST: ``stopped`` is True
+    now, so waiters must look again."""
+
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Rejected:
+    """A message of our bus broke a rule and was dropped (counted): `reason`, for a log."""
+
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Handshake:
+    """LOST: try a handshake now (HELLO from `Link.hello`, then `Link.welcome`)."""
+
+
+# A Heartbeat in what `tick` returns is a message to send on the acks socket.
+Action: TypeAlias = Offer | Repair | Lost | Stopped | Rejected | Handshake | Heartbeat
+
+
+class Link:
+    """The subscriber's side of one link: session, bus, seq, slots, liveness, state.
+
+    Args:
+        worker_id: this worker's id (in HELLO, HEARTBEAT and BYE).
+        mode: "copy" or "alias" (in HELLO).
+        counters: where to count ``rejected``, ``foreign`` and ``gaps`` (the keys are
+            added if missing); None: a new dict.
+    """
+
+    def __init__(self, worker_id: str, mode: str, counters: dict[str, int] | None = None) -> None:
+        self.worker_id = worker_id
+        self.mode = mode
+        self.state = LinkState.NEW
+        self.bus = ""  # of the WELCOME adopted last
+        self.session = ""  # ours on that bus: proves a re-join, echoed in ACK/HEARTBEAT/BYE
+        self.last_seq = 0  # events up to this seq are covered
+        self.slots = 0  # of that bus: a slot outside [0, slots) is not ours to read
+        self.heartbeat = 0.5  # interval, seconds (the publisher's)
+        self.last_heard = 0.0  # when a message of our bus last arrived
+        self.next_tick = 0.0  # `tick` has nothing to do before this
+        self.stopped = False  # the publisher closed the bus (until a WELCOME)
+        self.counters = counters if counters is not None else {}
+        for key in _COUNTERS:
+            self.counters.setdefault(key, 0)
+
+    @property
+    def connected(self) -> bool:
+        return self.state is LinkState.ACTIVE
+
+    # --- handshake -------------------------------------------------------------------------
+
+    def hello(self, pid: int, host: str, transport: str, note: str) -> Hello:
+        """The HELLO to send now, with the session held now ("" before the first WELCOME)."""
+        return Hello("", self.worker_id, pid, host, self.mode, transport, note, self.session)
+
+    def fallback_hello(self, hello: Hello, welcome: Welcome, transport: str, note: str) -> Hello:
+        """A second HELLO registering another transport (the CUDA buffer `welcome` offered
+        cannot be mapped here; `note` says why). It carries the session that `welcome`
+        gave: the worker id is that session's now, and only it may claim the id again."""
+        return dataclasses.replace(
+            hello, transport=transport, transport_note=note, session=welcome.session
+        )
+
+    def welcome(self, welcome: Welcome, now: float, latest: tuple[int, int] | None) -> Offer | None:
+        """Adopt a WELCOME whose buffers are mapped: the link is ACTIVE on its bus.
+
+        Args:
+            welcome: the publisher's answer to the last HELLO.
+            now: the time (monotonic seconds).
+            latest: (version, slot) the bus's header names as the latest, or None.
+
+        Returns:
+            The version to apply and ACK: the WELCOME's, or a newer one the header
+            already names (its RECEIVE may have gone out before the subscription was
+            live). None when CLOSED.
+        """
+        if self.state is LinkState.CLOSED:
+            return None
+        self.state, self.stopped = LinkState.ACTIVE, False
+        self.bus, self.session, self.slots = welcome.bus, welcome.session, welcome.slots
+        self.last_seq, self.heartbeat, self.last_heard = welcome.seq, welcome.heartbeat, now
+        self.next_tick = min(self.next_tick, now + welcome.heartbeat)
+        newer = self._latest(latest)
+        if newer is not None and newer.version > welcome.version:
+            return newer
+        return Offer(welcome.bus, welcome.version, welcome.slot)
+
+    # --- events ----------------------------------------------------------------------------
+
+    def on_event(
+        self, msg: Message, now: float
+    ) -> Offer | Repair | Lost | Stopped | Rejected | None:
+        """What to do with a message from the events socket, received at `now`."""
+        if self.state is LinkState.CLOSED:
+            return None
+        if msg.bus != self.bus:
+            self.counters["foreign"] += 1
+            if isinstance(msg, Heartbeat) and not msg.worker_id:
+                return self._lose("a new publisher answers at the address")
+            return None
+        self.last_heard = now
+        if isinstance(msg, Receive):  # first: one per version
+            if msg.slot >= self.slots:
+                self.counters["rejected"] += 1
+                return Rejected(f"RECEIVE v{msg.version} for slot {msg.slot} of {self.slots}")
+            if self._seen(msg.seq):
+                return None
+            return Offer(msg.bus, msg.version, msg.slot)
+        if isinstance(msg, Stop):
+            if self._seen(msg.seq):
+                return None
+            if not msg.session:
+                self.stopped = True
+                why = f"publisher sent STOP ({msg.reason})"
+                lost = self._lose(why)
+                return lost if lost is not None else Stopped(why)
+            if msg.session == self.session:
+                return self._lose(f"evicted ({msg.reason})")
+            return None  # another worker was evicted
+        if isinstance(msg, Heartbeat) and msg.seq > self.last_seq:
+            self.counters["gaps"] += 1  # missed an event: the header names the latest
+            self.last_seq = msg.seq
+            return Repair()
+        return None
+
+    def on_invalid(self) -> None:
+        """A frame on the events socket that is not a valid message: count it."""
+        if self.state is not LinkState.CLOSED:
+            self.counters["rejected"] += 1
+
+    def repair(self, latest: tuple[int, int] | None) -> Offer | None:
+        """After `Repair`: the version to offer, given the header's (version, slot)."""
+        if self.state is LinkState.CLOSED:
+            return None
+        return self._latest(latest)
+
+    # --- the clock -------------------------------------------------------------------------
+
+    def tick(self, now: float, version: int) -> tuple[Heartbeat | Lost | Handshake, ...]:
+        """What is due at `now` (nothing before `next_tick`); `version` is the one the
+        worker computes with, for its HEARTBEAT."""
+        if now < self.next_tick or self.state in (LinkState.NEW, LinkState.CLOSED):
+            return ()
+        self.next_tick = now + self.heartbeat
+        if self.state is LinkState.LOST:
+            return (Handshake(),)
+        beat = Heartbeat(self.bus, 0, self.worker_id, self.session, max(version, -1))
+        if now - self.last_heard > self.heartbeat * LOST_AFTER_BEATS:
+            lost = self._lose("publisher silent")
+            assert lost is not None
+            return (beat, lost)
+        return (beat,)
+
+    # --- the end ---------------------------------------------------------------------------
+
+    def close(self) -> Bye | None:
+        """CLOSED from now on. Returns the BYE to send, if this worker holds a session."""
+        if self.state is LinkState.CLOSED:
+            return None
+        self.state = LinkState.CLOSED
+        return Bye(self.bus, self.worker_id, self.session) if self.session else None
+
+    # --- rules -----------------------------------------------------------------------------
+
+    def _seen(self, seq: int) -> bool:
+        """Whether the event numbered `seq` is covered already; if not, it is the last."""
+        if seq <= self.last_seq:
+            return True
+        if seq > self.last_seq + 1:
+            self.counters["gaps"] += 1
+        self.last_seq = seq
+        return False
+
+    def _latest(self, latest: tuple[int, int] | None) -> Offer | None:
+        if latest is None:
+            return None
+        version, slot = latest
+        if slot >= self.slots:
+            self.counters["rejected"] += 1
+            return None
+        return Offer(self.bus, version, slot)
+
+    def _lose(self, reason: str) -> Lost | None:
+        if self.state is not LinkState.ACTIVE:
+            return None
+        self.state = LinkState.LOST
+        return Lost(reason)
