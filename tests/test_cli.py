@@ -71,7 +71,7 @@ def test_inspect_json_reports_the_running_bus(name, capsys):
     captured = capsys.readouterr()
     assert captured.err == ""
     state = json.loads(captured.out)
-    assert state["name"] == name and state["bus"] == pub.bus
+    assert state["name"] == name and state["bus"] == pub.bus_id
     assert state["version"] == 1 == pub.version
     assert state["slots"] == 2 and sorted(state["slot_versions"]) == [0, 1]
     [worker] = state["workers"]

@@ -184,10 +184,10 @@ def test_stale_acks_and_heartbeats_are_ignored(name):
         push.connect(pub.address + ".acks")
         try:
             push.send(encode(Ack("0123456789abcdef", "real", "0123456789abcdef", 0)))  # old bus
-            push.send(encode(Ack(pub.bus, "real", "fedcba9876543210", 0)))  # old incarnation
-            push.send(encode(Ack(pub.bus, "ghost", "fedcba9876543210", 0)))  # unknown worker
-            push.send(encode(Heartbeat(pub.bus, 0, "ghost", "fedcba9876543210", 0)))
-            push.send(encode(Ack(pub.bus, "real", sub._agent.session, 99)))  # unpublished
+            push.send(encode(Ack(pub.bus_id, "real", "fedcba9876543210", 0)))  # old incarnation
+            push.send(encode(Ack(pub.bus_id, "ghost", "fedcba9876543210", 0)))  # unknown worker
+            push.send(encode(Heartbeat(pub.bus_id, 0, "ghost", "fedcba9876543210", 0)))
+            push.send(encode(Ack(pub.bus_id, "real", sub._agent.session, 99)))  # unpublished
             deadline = time.monotonic() + 5
             while pub.counters.get("stale", 0) < 4 and time.monotonic() < deadline:
                 time.sleep(0.02)

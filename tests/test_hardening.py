@@ -503,7 +503,7 @@ def test_a_rejoin_proven_by_its_session_displaces_the_old_one_and_protects_its_s
         acks = ctx.socket(zmq.PUSH)
         acks.linger = 0
         acks.connect(first.acks)
-        acks.send(encode(Ack(pub.bus, "p", first.session, 0)))  # computes with v0 (slot 0)
+        acks.send(encode(Ack(pub.bus_id, "p", first.session, 0)))  # computes with v0 (slot 0)
         end = time.monotonic() + 5
         while pub.workers["p"].version < 0:
             assert time.monotonic() < end
@@ -518,7 +518,7 @@ def test_a_rejoin_proven_by_its_session_displaces_the_old_one_and_protects_its_s
         # slot 0 still holds what the displaced session computes with: not written
         with pytest.raises(zmqsync.PublishTimeout, match="still hold every slot"):
             pub.publish(timeout=0.5)
-        acks.send(encode(Ack(pub.bus, "p", again.session, 1)))  # moved on: slot 0 is free
+        acks.send(encode(Ack(pub.bus_id, "p", again.session, 1)))  # moved on: slot 0 is free
         end = time.monotonic() + 5
         while pub.workers["p"].version < 1:
             assert time.monotonic() < end
@@ -573,7 +573,7 @@ def test_the_tap_shows_no_session_a_peer_could_use(ctx, name):
         push.linger = 0
         push.connect(pub.address + ".acks")
         stale = pub.counters.get("stale", 0)
-        push.send(encode(Ack(pub.bus, "s", shown.pop(), pub.version)))
+        push.send(encode(Ack(pub.bus_id, "s", shown.pop(), pub.version)))
         end = time.monotonic() + 5
         while pub.counters.get("stale", 0) == stale:
             assert time.monotonic() < end

@@ -259,7 +259,7 @@ def test_the_all_acked_check_agrees_with_missing_whatever_the_order(name):
                     reg.leave(w, reg.members[w].session)
                 ids = [f"w{i}" for i in range(rng.randint(1, 12))]
                 for w in ids:
-                    reg.join(Hello(pub.bus, w, 1, "h", "copy", "cpu"), w, 0.0)
+                    reg.join(Hello(pub.bus_id, w, 1, "h", "copy", "cpu"), w, 0.0)
                 version = reg.latest + 1
                 reg.record(version, 0)
                 ready = pub._all_acked(version, tuple(ids))
@@ -278,7 +278,7 @@ def test_the_all_acked_check_agrees_with_missing_whatever_the_order(name):
                     elif kind == "rejoin":
                         if member is not None:
                             reg.leave(w, member.session)
-                        reg.join(Hello(pub.bus, w, 1, "h", "copy", "cpu"), w + "x", 0.0)
+                        reg.join(Hello(pub.bus_id, w, 1, "h", "copy", "cpu"), w + "x", 0.0)
                 assert ready() == (not reg.missing(version, tuple(ids))), trial
                 for w in list(reg.members):  # whoever is left acks: then done
                     reg.ack(w, reg.members[w].session, version, 0.0)

@@ -37,7 +37,7 @@ def role(**options) -> PublisherRole:
     sessions = (f"{i:016x}" for i in itertools.count(1))
     settings = dict(
         name="t",
-        bus=BUS,
+        bus_id=BUS,
         slots=2,
         heartbeat=0.5,
         slot_bytes=4096,

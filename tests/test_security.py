@@ -104,7 +104,7 @@ def test_garbage_on_every_endpoint_is_dropped_and_counted(ctx, name, tmp_path):
         push = _raw(ctx, zmq.PUSH, pub.address + ".acks")
         for frame in hostile:
             push.send(frame)
-        push.send(encode(Ack(pub.bus, "good", sub._agent.session, 1000)))
+        push.send(encode(Ack(pub.bus_id, "good", sub._agent.session, 1000)))
         push.send_multipart([b"a", b"b"])
         xsub = _raw(ctx, zmq.XSUB, pub.address + ".events")
         for frame in hostile:

@@ -86,7 +86,9 @@ def main(argv: list[str] | None = None) -> int:
         tap=args.tap,
     )
     with pub:
-        print(json.dumps({"event": "started", "bus": pub.bus, "address": pub.address}), flush=True)
+        print(
+            json.dumps({"event": "started", "bus": pub.bus_id, "address": pub.address}), flush=True
+        )
         if args.wait_workers:
             pub.wait_for_workers(args.wait_workers, timeout=60)
         n = 0

@@ -247,12 +247,12 @@ class Publisher:
             raise ValueError("max_workers must be >= 1 and handshake_rate > 0")
         self._max_workers = max_workers
         self._handshake_rate = handshake_rate
-        self.bus = secrets.token_hex(8)
-        self._receive = template(Receive, bus=self.bus)  # (seq, version, slot) -> frame
+        self.bus_id = secrets.token_hex(8)  # new at every start of a publisher
+        self._receive = template(Receive, bus=self.bus_id)  # (seq, version, slot) -> frame
         self.address = ""
         self._role = PublisherRole(
             name=self.name,
-            bus=self.bus,
+            bus_id=self.bus_id,
             slots=slots,
             heartbeat=heartbeat,
             slot_bytes=self._layout.slot_bytes,
@@ -308,7 +308,7 @@ class Publisher:
             collect_garbage(self._shm_dir)
             segment = CpuSegment(
                 self._shm_dir,
-                segment_name(self.name, self.bus),
+                segment_name(self.name, self.bus_id),
                 slots=self._slot_count,
                 slot_bytes=self._layout.slot_bytes,
                 gid=self._gid,
@@ -396,6 +396,11 @@ class Publisher:
         )
 
     # --- publishing ----------------------------------------------------------------
+
+    @property
+    def bus(self) -> str:
+        """The bus id (`bus_id`), under its older name."""
+        return self.bus_id
 
     @property
     def version(self) -> int:

@@ -400,7 +400,7 @@ class Agent:
         """Copy a frame to the tap, if open; never blocks (drops are counted)."""
         if self.tap is None:
             return
-        record = Tap(self.role.bus, time.time(), direction, peer[:128], frame)
+        record = Tap(self.role.bus_id, time.time(), direction, peer[:128], frame)
         try:
             self.tap.send(encode(record), zmq.NOBLOCK)
         except zmq.Again:
@@ -434,7 +434,7 @@ class Agent:
         try:
             if len(frames) != 1:
                 raise ProtocolError(f"expected one frame, got {len(frames)}")
-            msg = decode(frames[0], bus=self.role.bus)
+            msg = decode(frames[0], bus=self.role.bus_id)
             peer = msg.worker_id if isinstance(msg, Hello) else "inspector"
             if self.tap is not None:
                 self._mirror("in", peer, self._redacted(msg, frames[0]))
@@ -449,7 +449,7 @@ class Agent:
             log.debug("rejected request: %s", printable(exc))
             if not peer:
                 self._mirror("in", "", frames[0][:4096] if frames else b"")
-            reply = Error(self.role.bus, str(exc)[:1024])
+            reply = Error(self.role.bus_id, str(exc)[:1024])
         frame = encode(reply)
         self.control.send(frame)
         if self.tap is not None:
@@ -544,7 +544,7 @@ class Agent:
         try:
             if more:
                 raise ProtocolError("expected one frame, got several")
-            msg = decode(frame, bus=self.role.bus)
+            msg = decode(frame, bus=self.role.bus_id)
         except ProtocolError as exc:
             self._count("rejected")
             log.debug("dropped message on acks: %s", printable(exc))

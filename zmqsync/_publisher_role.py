@@ -68,7 +68,7 @@ class PublisherRole:
         self,
         *,
         name: str,
-        bus: str,
+        bus_id: str,
         slots: int,
         heartbeat: float,
         slot_bytes: int,
@@ -78,7 +78,7 @@ class PublisherRole:
         now: float = 0.0,
         new_session: Callable[[], str] = lambda: secrets.token_hex(8),
     ) -> None:
-        self.name, self.bus, self.slots = name, bus, slots
+        self.name, self.bus_id, self.slots = name, bus_id, slots
         self.heartbeat = heartbeat
         self.slot_bytes, self.manifest = slot_bytes, manifest
         self.max_workers, self.handshake_rate = max_workers, handshake_rate
@@ -150,7 +150,7 @@ class PublisherRole:
         self.counters["handshakes"] += 1
         version = self.registry.latest
         welcome = Welcome(
-            bus=self.bus,
+            bus=self.bus_id,
             session=session,
             seq=self.seq,
             version=version,
@@ -194,7 +194,7 @@ class PublisherRole:
             for m in self.registry.members.values()
         )
         return State(
-            bus=self.bus,
+            bus=self.bus_id,
             name=self.name,
             pid=pid,
             version=self.registry.latest,
@@ -233,7 +233,7 @@ class PublisherRole:
 
     def heartbeat_event(self) -> Heartbeat:
         """The publisher's HEARTBEAT: the last event seq, for subscribers' gap checks."""
-        return Heartbeat(self.bus, self.seq, "", "", self.registry.latest)
+        return Heartbeat(self.bus_id, self.seq, "", "", self.registry.latest)
 
     def drop_silent(self, now: float) -> list[Member]:
         """Workers silent for too long, removed (tell each with `stop_for`)."""
@@ -243,7 +243,7 @@ class PublisherRole:
 
     def stop_for(self, session: str, reason: str) -> Stop:
         """A STOP for one session (evicted, silent, replaced): the next event."""
-        return Stop(self.bus, self.next_seq(), session, reason)
+        return Stop(self.bus_id, self.next_seq(), session, reason)
 
     def evict(self, worker_ids: Iterable[str]) -> list[Member]:
         """Drop workers a publish gave up on (on_timeout="evict")."""
@@ -254,4 +254,4 @@ class PublisherRole:
     def close(self) -> Stop:
         """The bus closes: no more handshakes; the STOP that says so to everyone."""
         self.closing = True
-        return Stop(self.bus, self.next_seq(), "", "publisher closed")
+        return Stop(self.bus_id, self.next_seq(), "", "publisher closed")

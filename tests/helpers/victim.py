@@ -68,7 +68,7 @@ def main() -> int:
     )
     with pub:
         limit = resource.getrlimit(resource.RLIMIT_NOFILE)
-        record = {"event": "started", "pid": os.getpid(), "address": pub.address, "bus": pub.bus}
+        record = {"event": "started", "pid": os.getpid(), "address": pub.address, "bus": pub.bus_id}
         print(json.dumps({**record, "nofile": list(limit)}), flush=True)
         version = 0
         while not stop.wait(args.interval):
