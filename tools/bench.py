@@ -1,4 +1,4 @@
-"""Benchmarks of issue 7: `zmqsync bench` with plots, or plots/markdown from a past run.
+"""The benchmarks: `zmqsync bench` with plots, or plots/markdown from a past run.
 
     python tools/bench.py                       # the full grid, then plots (needs matplotlib)
     python tools/bench.py --quick --out /tmp/q  # the quick grid (under 2 minutes)

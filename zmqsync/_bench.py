@@ -107,7 +107,7 @@ SLOTS = 2
 
 @dataclass
 class BenchConfig:
-    """What to run. The defaults are the full grid of issue 7."""
+    """What to run. The defaults are the full grid (docs/benchmarks.md)."""
 
     workers: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
     sizes: tuple[str, ...] = ("4K", "4M", "many", "64M", "512M", "1G")
@@ -1284,7 +1284,8 @@ def run_bench(cfg: BenchConfig, console: Any = None, command: str = "") -> Resul
 
 
 def evaluate_targets(res: Results) -> list[dict[str, Any]]:
-    """The six targets of issue 7: met / not met / not measured, with the ratios."""
+    """The six targets (docs/benchmarks.md), each named for what it measures: met / not
+    met / not measured, with the ratios."""
     ok = [r for r in res.rows if r.status == "ok" and r.zmqsync_p50 is not None]
     out: list[dict[str, Any]] = []
 
@@ -1299,7 +1300,7 @@ def evaluate_targets(res: Results) -> list[dict[str, Any]]:
                 parts.append(f"{n} workers {r.mode}: {x:.2f}×")
                 verdicts.append(x <= 1.5)
     add(
-        "1",
+        "fixed cost",
         "4 KB model, 8 and 64 workers: p50 publish ≤ 1.5× the raw ZeroMQ round trip",
         all(verdicts) if verdicts else None,
         "; ".join(parts) or "not measured",
@@ -1308,7 +1309,7 @@ def evaluate_targets(res: Results) -> list[dict[str, Any]]:
     r2 = next((r for r in ok if (r.n, r.size, r.mode) == (8, "512M", "alias")), None)
     x2 = r2.ratios()["x_floor"] if r2 else None
     add(
-        "2",
+        "big alias",
         "alias, 512 MB, 8 workers: p50 ≤ 1.2× (memcpy floor + raw round trip)",
         None if x2 is None else x2 <= 1.2,
         "not measured"
@@ -1327,10 +1328,15 @@ def evaluate_targets(res: Results) -> list[dict[str, Any]]:
             f"{len(copies) - len(bad)} of {len(copies)} points ≤ 1.3×; worst "
             f"{worst[1]:.2f}× (N={worst[0].n}, {worst[0].label})"
         )
-        add("3", "copy mode, any N: p50 ≤ 1.3× the N+1-concurrent-copies floor", not bad, measured)
+        add(
+            "copy floor",
+            "copy mode, any N: p50 ≤ 1.3× the N+1-concurrent-copies floor",
+            not bad,
+            measured,
+        )
     else:
         add(
-            "3",
+            "copy floor",
             "copy mode, any N: p50 ≤ 1.3× the N+1-concurrent-copies floor",
             None,
             "not measured",
@@ -1358,7 +1364,7 @@ def evaluate_targets(res: Results) -> list[dict[str, Any]]:
         )
         verdicts.append(not losses)
     add(
-        "4",
+        "vs torchrl",
         "zmqsync alias mode faster than torchrl at every grid point where torchrl runs",
         all(verdicts) if verdicts else None,
         "; ".join(parts) or "torchrl not measured",
@@ -1386,7 +1392,7 @@ def evaluate_targets(res: Results) -> list[dict[str, Any]]:
         worst5 = max(big, key=lambda r: (r.extra or 0) / r.nbytes)
         frac = (worst5.extra or 0) / worst5.nbytes
         add(
-            "5",
+            "alias memory",
             "alias workers add ≤ 5% of the model's bytes beyond the shared segment; "
             "the segment holds `slots` copies, nothing more",
             frac <= 0.05 and seg_ok,
@@ -1395,7 +1401,7 @@ def evaluate_targets(res: Results) -> list[dict[str, Any]]:
         )
     else:
         add(
-            "5",
+            "alias memory",
             "alias workers add ≤ 5% of model bytes beyond the segment",
             None,
             "not measured (needs an alias point ≥ 64 MB)" + (f"; {seg_txt}" if seg_txt else ""),
@@ -1404,7 +1410,7 @@ def evaluate_targets(res: Results) -> list[dict[str, Any]]:
     lj = res.late_join.get("alias") if res.late_join else None
     if lj:
         add(
-            "6",
+            "late join",
             f"late join: a worker starting against a {res.late_join.get('label')} model is "
             "applied (alias) within 50 ms of start(), handshake included",
             lj["max"] <= 0.05,
@@ -1413,7 +1419,7 @@ def evaluate_targets(res: Results) -> list[dict[str, Any]]:
         )
     else:
         add(
-            "6",
+            "late join",
             "late join within 50 ms (alias, 1 GB)",
             None,
             res.late_join.get("status", "not measured") if res.late_join else "not measured",
@@ -1519,8 +1525,8 @@ def print_report(res: Results, console: Any) -> None:
             if m in lj
         ]
         console.print(f"late join ({lj.get('label')}): {'; '.join(parts) or lj.get('status')}")
-    targets = Table(title="targets (issue 7)")
-    for col in ("#", "target", "met", "measured"):
+    targets = Table(title="targets")
+    for col in ("name", "target", "met", "measured"):
         targets.add_column(col)
     for t in evaluate_targets(res):
         met = {True: "[green]met[/]", False: "[red]not met[/]", None: "[dim]n/a[/]"}[t["met"]]
@@ -1573,7 +1579,7 @@ def markdown_report(res: Results) -> str:
             f"| {r.n} | {r.label} | {r.mode} | {_mib(r.nbytes)} | {_mib(r.pss_delta)} "
             f"| {_mib(r.seg_pss)} | {_mib(r.extra)} | {frac} | {seg} | {_num(r.join_p50)} |"
         )
-    lines += ["", "| # | target | met | measured |", "|---|---|---|---|"]
+    lines += ["", "| name | target | met | measured |", "|---|---|---|---|"]
     for t in evaluate_targets(res):
         met = {True: "**met**", False: "**not met**", None: "n/a"}[t["met"]]
         lines.append(f"| {t['id']} | {t['target']} | {met} | {t['measured']} |")
