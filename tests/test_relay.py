@@ -24,12 +24,14 @@ import zmq
 
 import zmqsync
 from tests.conftest import Proc, deadline_listdir
-from zmqsync import relay as relay_mod
 from zmqsync._buffers import collect_garbage
 from zmqsync._checksum import CHECKSUM_KEY, digest, digest_tensor
 from zmqsync._layout import flatten
 from zmqsync._protocol import TensorSpec, WorkerState
 from zmqsync.cli import main
+from zmqsync.relay import _messages as messages
+from zmqsync.relay._messages import RELAY
+from zmqsync.relay._rendezvous import rendezvous
 
 HB = 0.25  # heartbeat everywhere: a peer is lost after ~1.5 s of silence
 
@@ -486,18 +488,18 @@ def test_root_refuses_a_one_slot_bus(name):
 SPEC = TensorSpec(("a", "w"), "float32", (2, 3), (3, 1), 0, 24)
 WORKER = WorkerState("w0", 12, "h", "copy", "cpu", 3, 0.5)
 MESSAGES = [
-    relay_mod._Join("hostA", "hostA", 1, "", -1),
-    relay_mod._Accept("0" * 16, "1" * 16, 0.5),
-    relay_mod._Refuse("0" * 16, "tree full"),
-    relay_mod._Prepare("0" * 16, 3),
-    relay_mod._Commit("0" * 16, 3, 1, 3, "gloo", 10.0, 4.0, "2" * 16, 4096, 1 << 20, (SPEC,)),
-    relay_mod._Send("0" * 16, 3, 7, "2" * 16, (2,), 4096),
-    relay_mod._Beat("0" * 16, 3),
-    relay_mod._Evict("0" * 16, "evicted"),
-    relay_mod._Status("1" * 16, 3, "2" * 16, 7, 6, (WORKER,)),
-    relay_mod._Report("1" * 16, "acked", 3, 7, "2" * 16, 7, ("w9",), ""),
-    relay_mod._Bye("1" * 16),
-    relay_mod._RelayState(
+    messages.Join("hostA", "hostA", 1, "", -1),
+    messages.Accept("0" * 16, "1" * 16, 0.5),
+    messages.Refuse("0" * 16, "tree full"),
+    messages.Prepare("0" * 16, 3),
+    messages.Commit("0" * 16, 3, 1, 3, "gloo", 10.0, 4.0, "2" * 16, 4096, 1 << 20, (SPEC,)),
+    messages.Send("0" * 16, 3, 7, "2" * 16, (2,), 4096),
+    messages.Beat("0" * 16, 3),
+    messages.Evict("0" * 16, "evicted"),
+    messages.Status("1" * 16, 3, "2" * 16, 7, 6, (WORKER,)),
+    messages.Report("1" * 16, "acked", 3, 7, "2" * 16, 7, ("w9",), ""),
+    messages.Bye("1" * 16),
+    messages.RelayState(
         "0" * 16,
         "policy",
         99,
@@ -505,7 +507,7 @@ MESSAGES = [
         7,
         3,
         "tree",
-        (relay_mod.RelayInfo("hostA", "h", 1, "active", 1, 3, 7, 6, 0.1, (WORKER,)),),
+        (messages.RelayInfo("hostA", "h", 1, "active", 1, 3, 7, 6, 0.1, (WORKER,)),),
         {"joins": 2},
     ),
 ]
@@ -513,24 +515,24 @@ MESSAGES = [
 
 @pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: m.TYPE)
 def test_relay_messages_round_trip(msg):
-    assert relay_mod._decode(relay_mod._encode(msg)) == msg
+    assert RELAY.decode(RELAY.encode(msg)) == msg
 
 
 @pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: m.TYPE)
 def test_relay_messages_refuse_missing_extra_and_wrong_fields(msg):
-    raw = msgpack.unpackb(relay_mod._encode(msg))
+    raw = msgpack.unpackb(RELAY.encode(msg))
     for key in [k for k in raw if k not in ("proto", "type")]:
         broken = dict(raw)
         del broken[key]
         with pytest.raises(zmqsync.ProtocolError, match="missing field"):
-            relay_mod._decode(msgpack.packb(broken))
+            RELAY.decode(msgpack.packb(broken))
         wrong = dict(raw, **{key: {"nested": [1.5]}})
         with pytest.raises(zmqsync.ProtocolError):
-            relay_mod._decode(msgpack.packb(wrong))
+            RELAY.decode(msgpack.packb(wrong))
     with pytest.raises(zmqsync.ProtocolError, match="unknown field"):
-        relay_mod._decode(msgpack.packb(dict(raw, extra=1)))
+        RELAY.decode(msgpack.packb(dict(raw, extra=1)))
     with pytest.raises(zmqsync.ProtocolError, match="relay protocol"):
-        relay_mod._decode(msgpack.packb(dict(raw, proto=2)))
+        RELAY.decode(msgpack.packb(dict(raw, proto=2)))
 
 
 @pytest.mark.parametrize(
@@ -560,15 +562,15 @@ def test_relay_messages_refuse_missing_extra_and_wrong_fields(msg):
 )
 def test_relay_garbage_is_a_protocol_error(frame):
     with pytest.raises(zmqsync.ProtocolError):
-        relay_mod._decode(frame)
+        RELAY.decode(frame)
 
 
 def test_rendezvous_urls():
-    assert relay_mod._rendezvous("tcp://10.1.2.3:29500") == ("10.1.2.3", 29500)
-    assert relay_mod._rendezvous("tcp://[::1]:29500") == ("::1", 29500)
+    assert rendezvous("tcp://10.1.2.3:29500") == ("10.1.2.3", 29500)
+    assert rendezvous("tcp://[::1]:29500") == ("::1", 29500)
     for bad in ("tcp://host", "tcp://h:port", "file:///tmp/x", "tcp://h:70000"):
         with pytest.raises(ValueError):
-            relay_mod._rendezvous(bad)
+            rendezvous(bad)
 
 
 @pytest.mark.timeout(120)
@@ -597,12 +599,12 @@ def test_data_channel_carries_versions_drops_garbage_and_falls_back(name, bus_di
             evil = ctx.socket(zmq.DEALER)
             evil.linger = 0
             evil.connect(root._data_endpoint)
-            stale = relay_mod._Report("f" * 16, "acked", 1, 99, "2" * 16, 99, (), "")
+            stale = messages.Report("f" * 16, "acked", 1, 99, "2" * 16, 99, (), "")
             for frame in (
                 b"garbage",
                 b"\x80\x04\x95cos\nsystem\n",
-                relay_mod._encode(relay_mod._Bye("1" * 16)),
-                relay_mod._encode(stale),
+                RELAY.encode(messages.Bye("1" * 16)),
+                RELAY.encode(stale),
                 b"two",
             ):
                 evil.send(frame)

@@ -13,6 +13,9 @@ Every message carries ``proto`` (`PROTO`), ``type`` and ``bus`` (a random id cho
 a publisher starts). A HELLO or INSPECT may carry an empty ``bus``: the sender does not
 know the bus yet. The field tables (`FIELDS`) are the specification; ``docs/protocol.md``
 is generated from them by ``tools/gen_protocol_doc.py`` and a test keeps the two equal.
+
+Other channels (the relays' control channel) define their messages with the same
+machinery: `MessageSet`, with tables built from the same public field checks.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from itertools import pairwise
-from typing import Any, ClassVar, Protocol, TypeAlias
+from typing import Any, ClassVar, Generic, Protocol, TypeAlias, TypeVar
 
 import msgpack
 
@@ -36,11 +39,13 @@ __all__ = [
     "Ack",
     "BufferInfo",
     "Bye",
+    "Check",
     "Error",
     "Heartbeat",
     "Hello",
     "Inspect",
     "Message",
+    "MessageSet",
     "Receive",
     "State",
     "Tap",
@@ -49,9 +54,17 @@ __all__ = [
     "contiguous_stride",
     "Welcome",
     "WorkerState",
+    "binary",
+    "choice",
+    "counters",
     "decode",
     "encode",
+    "integer",
+    "list_of",
+    "number",
+    "record",
     "template",
+    "text",
     "to_plain",
 ]
 
@@ -848,3 +861,141 @@ def decode(data: bytes, *, bus: str | None = None) -> Message:
     ):
         raise ProtocolError(f"{kind} from foreign bus {msg.bus!r} (this bus is {bus!r})")
     return msg
+
+
+# --- message sets of other channels ------------------------------------------------------
+#
+# The relay's control channel (zmqsync/relay) speaks messages of its own, with their own
+# `proto` and type names, through the same machinery: a field table that is the
+# specification, frozen dataclasses, one `decode` that returns a message or raises
+# ProtocolError. The checks below are the ones FIELDS is built from.
+
+
+def integer(lo: int = 0, hi: int = MAX_U63) -> Check:
+    """A field check: a msgpack integer (not a float, not a bool) in [`lo`, `hi`]."""
+    return _int(lo, hi)
+
+
+def number(lo: float, hi: float) -> Check:
+    """A field check: a finite number in [`lo`, `hi`], decoded as a float."""
+    return _float(lo, hi)
+
+
+def text(max_len: int, pattern: re.Pattern[str] | None = None, empty: bool = True) -> Check:
+    """A field check: a str of at most `max_len` characters matching `pattern` (use
+    ``\\Z``, not ``$``), empty only if `empty`."""
+    return _text(max_len, pattern, empty)
+
+
+def choice(*options: str) -> Check:
+    """A field check: one of these strings."""
+    return _choice(*options)
+
+
+def binary(max_len: int) -> Check:
+    """A field check: msgpack bin of at most `max_len` bytes."""
+    return _bin(max_len)
+
+
+def list_of(item: Check, max_len: int) -> Check:
+    """A field check: a list of at most `max_len` items, each passing `item`; a tuple."""
+    return _list(item, max_len)
+
+
+def record(cls: type[Any]) -> Check:
+    """A field check: a map decoded as `cls`, a record of `FIELDS` (`TensorSpec`,
+    `WorkerState`, ...) or a class defined in a `MessageSet`."""
+    return _record(cls)
+
+
+counters: Check = _counters  # a map of counter names (str) to ints >= 0
+
+
+M = TypeVar("M")
+
+
+class MessageSet(Generic[M]):
+    """The messages of a channel other than the bus, defined and checked like the bus's.
+
+    Each class is a frozen dataclass; a message class has a ``TYPE`` class attribute, a
+    record (a map inside messages, see `record`) has none. Its table maps every field to
+    ``(check, description)`` exactly as `FIELDS` does: the table is the specification,
+    and a generator renders it as ``tools/gen_protocol_doc.py`` renders `FIELDS`. A frame
+    is a msgpack map with ``proto`` (this set's number), ``type`` and exactly the fields.
+
+    `decode` is the set's one parse point, with the rules of the bus's `decode`: it returns
+    a message of this set or raises `ProtocolError`, never anything else, and never
+    unpickles. The bus's own messages are untouched by any set (their fast paths stay).
+
+    Args:
+        name: the channel's name in errors ("relay protocol 2, expected 1").
+        proto: the version number every frame of the set carries.
+    """
+
+    def __init__(self, name: str, proto: int) -> None:
+        self.name, self.proto = name, proto
+        self.fields: dict[type[Any], dict[str, tuple[Check, str]]] = {}
+        self.types: dict[str, type[Any]] = {}
+
+    def define(self, cls: type[Any], table: Mapping[str, tuple[Check, str]]) -> None:
+        """Add `cls` (a message if it has ``TYPE``, else a record) with its field table.
+
+        Raises:
+            ValueError: the table does not name exactly the dataclass's fields, the class
+                is defined already (here, in another set or in `FIELDS`), or its ``TYPE``
+                is taken in this set.
+            TypeError: `cls` is not a frozen dataclass.
+        """
+        params = getattr(cls, "__dataclass_params__", None)
+        if params is None or not params.frozen:
+            raise TypeError(f"{cls.__name__} must be a frozen dataclass")
+        if cls in FIELDS or cls in _PLANS:
+            raise ValueError(f"{cls.__name__} is defined already")
+        names = [f.name for f in fields(cls)]
+        if sorted(table) != sorted(names):
+            raise ValueError(f"{cls.__name__}: the table names {sorted(table)}, not {names}")
+        kind = getattr(cls, "TYPE", None)
+        if kind is not None and (type(kind) is not str or kind in self.types):
+            raise ValueError(f"{cls.__name__}: type {kind!r} is not a new type name")
+        self.fields[cls] = dict(table)
+        _PLANS[cls] = tuple((name, table[name][0]) for name in names)
+        if kind is not None:
+            self.types[kind] = cls
+
+    def encode(self, msg: M) -> bytes:
+        """Bytes for `msg`, a message of this set (ours are valid by construction)."""
+        kind = getattr(msg, "TYPE", None)
+        if not isinstance(kind, str) or self.types.get(kind) is not type(msg):
+            raise TypeError(f"{type(msg).__name__} is not a {self.name} message")
+        body = to_plain(msg)
+        body["proto"] = self.proto
+        body["type"] = kind
+        return msgpack.packb(body, use_bin_type=True)  # type: ignore[no-any-return]
+
+    def decode(self, data: bytes) -> M:
+        """Turn one frame into a message of this set. Never unpickles.
+
+        Raises:
+            ProtocolError: `data` is not a valid message of this set (too long, not a
+                msgpack map, another `proto`, an unknown `type`, a field missing, extra,
+                of the wrong type or out of range). Any other exception is a bug.
+        """
+        if not isinstance(data, _BYTES):
+            raise ProtocolError(f"expected bytes, got {type(data).__name__}")
+        if len(data) > MAX_MESSAGE:
+            raise ProtocolError(f"message of {len(data)} bytes exceeds {MAX_MESSAGE}")
+        try:
+            raw = msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True)
+        except (ValueError, msgpack.UnpackException, RecursionError, BufferError) as exc:
+            raise ProtocolError(f"not a msgpack message: {type(exc).__name__}: {exc}") from exc
+        if type(raw) is not dict:
+            raise ProtocolError(f"expected a msgpack map, got {type(raw).__name__}")
+        proto = raw.get("proto")
+        if proto != self.proto or type(proto) is not int:
+            raise ProtocolError(f"{self.name} protocol {_show(proto, 20)!r}, expected {self.proto}")
+        kind = raw.get("type")
+        cls = self.types.get(kind) if type(kind) is str else None
+        if cls is None:
+            raise ProtocolError(f"unknown {self.name} message type {_show(kind, 40)!r}")
+        msg: M = _build(cls, raw, str(kind), skip=("proto", "type"))
+        return msg

@@ -17,7 +17,7 @@ import argparse
 import json
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from . import _config
@@ -149,7 +149,7 @@ def _access_warning(address: str, access: dict[str, Any]) -> str | None:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     from ._protocol import to_plain
-    from .relay import inspect_relays, print_relays
+    from .relay import inspect_relays
 
     reply = _inspect(_address(args), args.timeout, args.name)
     access = _access(_address(args), args.name)
@@ -167,23 +167,66 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     else:
         _print_state(reply, _access_warning(_address(args), access))
         if relays is not None:
-            # relay ids, hosts and worker ids come from peers too; print_relays renders
-            # its cells as markup, so it gets a copy made safe for that
-            print_relays(_markup_safe(relays))
+            _print_relays(relays)
     return 0
 
 
-def _markup_safe(value: Any) -> Any:
-    """`value` with every string escaped for a terminal and for rich markup (display only)."""
-    from rich.markup import escape
+def _print_relays(tree: Mapping[str, Any]) -> None:
+    """The relay tree (`inspect_relays`) as tables: the relays, then each relay's workers.
 
-    if isinstance(value, str):
-        return escape(printable(value))
-    if isinstance(value, dict):
-        return {k: _markup_safe(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_markup_safe(v) for v in value]
-    return value
+    Relay ids, hosts and worker ids come from other hosts: every string is escaped
+    (`printable`) and handed to rich as `Text`, never parsed as markup.
+    """
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
+    def cell(value: object) -> Text:
+        return Text(printable(value))
+
+    console = Console()
+    console.print(
+        Text.assemble(
+            ("relay root", "bold"),
+            f" {printable(tree['tree'])} pid {tree['pid']}  version {tree['version']}  "
+            f"generation {tree['generation']}  ack={printable(tree['ack'])}",
+        )
+    )
+    relays = Table(title=f"relays ({len(tree['relays'])})")
+    columns = ("relay", "host", "pid", "state", "rank", "gen", "version", "acked", "workers")
+    for col in (*columns, "last seen"):
+        relays.add_column(col)
+    for r in tree["relays"]:
+        relays.add_row(
+            cell(r["relay_id"]),
+            cell(r["host"]),
+            str(r["pid"]),
+            cell(r["state"]),
+            str(r["rank"]),
+            str(r["generation"]),
+            str(r["version"]),
+            str(r["acked"]),
+            str(len(r["workers"])),
+            f"{r['last_seen']:.2f} s ago",
+        )
+    console.print(relays)
+    for r in tree["relays"]:
+        if not r["workers"]:
+            continue
+        title = Text(f"workers of relay {printable(r['relay_id'])} ({len(r['workers'])})")
+        table = Table(title=title)
+        for col in ("worker", "pid", "host", "mode", "version", "last seen"):
+            table.add_column(col)
+        for w in r["workers"]:
+            table.add_row(
+                cell(w["worker_id"]),
+                str(w["pid"]),
+                cell(w["host"]),
+                cell(w["mode"]),
+                str(w["version"]),
+                f"{w['last_seen']:.2f} s ago",
+            )
+        console.print(table)
 
 
 def _print_state(state: Any, warning: str | None = None) -> None:
@@ -310,9 +353,113 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 
 def cmd_relay(args: argparse.Namespace) -> int:
-    from .relay import run_cli
+    """Run a relay root (``--root``) or a relay until SIGTERM/SIGINT; ``--json`` prints
+    one line per event (started, relayed or published, closed)."""
+    import contextlib
+    import signal
+    import threading
 
-    return run_cli(args)
+    from .relay import Relay, Relayed, RelayRoot
+
+    stop = threading.Event()
+
+    def emit(record: dict[str, Any]) -> None:
+        if args.json:  # ASCII only, as for inspect --json: relay ids come from peers
+            print(json.dumps(record, ensure_ascii=True), flush=True)
+
+    def relayed(r: Relayed) -> None:
+        emit(
+            {
+                "event": "relayed",
+                "version": r.version,
+                "generation": r.generation,
+                "relays": list(r.relays),
+                "missing": list(r.missing),
+                "seconds": r.seconds,
+            }
+        )
+
+    node: RelayRoot | Relay
+    if args.root:
+        node = RelayRoot(
+            args.address,
+            name=args.name,
+            init_method=args.init_method,
+            backend=args.backend,
+            ack=args.ack,
+            timeout=args.timeout,
+            on_timeout=args.on_timeout,
+            heartbeat=args.heartbeat,
+            chunk_mb=args.chunk_mb,
+            collective_timeout=args.collective_timeout,
+            device=args.device,
+            insecure=args.insecure,
+            on_relayed=relayed,
+        )
+    else:
+        node = Relay(
+            args.address,
+            name=args.name,
+            init_method=args.init_method,
+            relay_id=args.relay_id,
+            slots=args.slots,
+            timeout=args.timeout,
+            on_timeout=args.on_timeout,
+            heartbeat=args.heartbeat,
+            device=args.device,
+            insecure=args.insecure,
+            on_update=lambda v: emit({"event": "published", "version": v}),
+            join_timeout=args.connect_timeout,
+        )
+
+    def on_signal(signum: int, frame: Any) -> None:
+        stop.set()
+
+    with contextlib.ExitStack() as stack:
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            stack.callback(signal.signal, signum, signal.signal(signum, on_signal))
+        stack.enter_context(node)
+        started: dict[str, Any] = {"event": "started", "role": "root" if args.root else "relay"}
+        if isinstance(node, RelayRoot):
+            started.update(tree=node.tree, init_method=node.init_method_url, address=node.address)
+        else:
+            started.update(relay_id=node.relay_id)
+        emit(started)
+        while not stop.wait(0.2):
+            pass
+    emit({"event": "closed", "version": node.version})
+    return 0
+
+
+def _add_relay_arguments(p: argparse.ArgumentParser) -> None:
+    from .relay._root import DEFAULT_CHUNK_MB
+
+    p.add_argument("address", nargs="?", help="this host's bus address (default: from --name)")
+    p.add_argument("--name", default="weights", help="bus name (default: weights)")
+    p.add_argument("--root", action="store_true", help="run the root, next to the trainer's bus")
+    p.add_argument("--init-method", default=None, help="env:// (default) or tcp://HOST:PORT")
+    p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
+    p.add_argument("--ack", choices=("tree", "relays"), default="tree", help="root: what acks mean")
+    p.add_argument("--timeout", type=float, default=10.0, help="deadline per version (s)")
+    p.add_argument("--on-timeout", choices=("evict", "raise"), default="evict")
+    p.add_argument("--heartbeat", type=float, default=0.5)
+    p.add_argument(
+        "--chunk-mb", type=float, default=DEFAULT_CHUNK_MB, help="root: MiB per collective"
+    )
+    p.add_argument(
+        "--collective-timeout",
+        type=float,
+        default=None,
+        help="root: timeout of each collective (s); default: ~6 heartbeats, at least 1 s",
+    )
+    p.add_argument("--relay-id", default=None, help="relay: id on the tree (default: host name)")
+    p.add_argument("--slots", type=int, default=2, help="relay: slots of the local bus")
+    p.add_argument("--device", default=None, help="CUDA device of the NCCL staging buffer")
+    p.add_argument("--connect-timeout", type=float, default=60.0, help="relay: wait for a root (s)")
+    p.add_argument(
+        "--insecure", action="store_true", help="allow a non-loopback rendezvous address"
+    )
+    p.add_argument("--json", action="store_true", help="one JSON line per event")
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -378,9 +525,7 @@ def _parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("relay", help="carry a bus to other hosts over torch.distributed")
-    from .relay import add_arguments as add_relay_arguments
-
-    add_relay_arguments(p)
+    _add_relay_arguments(p)
     p.set_defaults(func=cmd_relay)
 
     p = sub.add_parser("gc", help="remove segments leaked by killed processes")
