@@ -1,4 +1,5 @@
-"""Generate docs/protocol.md from the protocol's field table, `zmqsync._protocol.FIELDS`.
+"""Generate docs/protocol.md from the protocol's field tables (`zmqsync._protocol.FIELDS`,
+and the relay channel's `MessageSet`, `zmqsync.relay._messages.RELAY`).
 
     python tools/gen_protocol_doc.py            # write docs/protocol.md
     python tools/gen_protocol_doc.py --check    # exit 1 if docs/protocol.md is stale
@@ -33,6 +34,9 @@ from zmqsync._buffers import header as H
 from zmqsync._buffers.cpu import PREFIX, segment_name
 from zmqsync._config import XPUB_WELCOME
 from zmqsync._publisher import Publisher
+from zmqsync.relay import _messages as R
+from zmqsync.relay._rendezvous import control_key, data_key
+from zmqsync.relay._wire import HEADER_MAGIC
 
 ROOT = Path(__file__).resolve().parent.parent
 OUTPUT = ROOT / "docs" / "protocol.md"
@@ -202,6 +206,61 @@ Only in STATE. `transport` is what the worker reads: `"cuda"` (it mapped the CUD
 buffers) or `"cpu"` (the CPU segment); `transport_note` is the reason a worker reads the
 CPU copy of CUDA weights, as its HELLO gave it.""",
 }
+
+# The relay control channel (zmqsync/relay): who sends each message, and where.
+RELAY_ROUTES: dict[type[Any], tuple[str, str]] = {
+    R.Join: (
+        "relay → root",
+        "control, DEALER → ROUTER; answered with RELAY_ACCEPT or RELAY_REFUSE",
+    ),
+    R.Accept: ("root → relay", "control, ROUTER → DEALER"),
+    R.Refuse: ("root → relay", "control, ROUTER → DEALER; also the answer to a bad inspect"),
+    R.Prepare: (
+        "root → relay",
+        "control; answered with RELAY_REPORT `ready` once the relay's data thread is free",
+    ),
+    R.Commit: ("root → relay", "control; answered with RELAY_REPORT `formed` or `failed`"),
+    R.Send: (
+        "root → relay",
+        "data, ROUTER → the relay's data DEALER (control when that one is not connected)",
+    ),
+    R.Beat: ("root → relay", "control, every heartbeat"),
+    R.Evict: ("root → relay", "control"),
+    R.Status: ("relay → root", "control, every heartbeat"),
+    R.Report: (
+        "relay → root",
+        "data for `received` and `acked` while its data DEALERs are connected, else control",
+    ),
+    R.Bye: ("relay → root", "control"),
+    R.RelayState: (
+        "root → inspector",
+        "REP at `<bus address>.relay` (ipc:// buses), the answer to a bus INSPECT",
+    ),
+}
+
+RELAY_INTRO = """\
+# Relay control channel
+
+Across hosts, a relay root next to the trainer and one relay per other host (see
+[multi-host.md](multi-host.md)) speak a channel of their own over TCP. The root binds two
+ZeroMQ ROUTERs and publishes their endpoints in its TCPStore (the rendezvous): `control`
+under `{control_key}` and `data` under `{data_key}`. Each relay connects one DEALER to
+`control` and two to `data`: its data thread's, whose routing id is the relay id (the
+root sends version notices to it), and its wait thread's (anonymous). A relay root
+also answers a bus INSPECT at `<bus address>.relay` with RELAY_STATE.
+
+Every frame is one msgpack map with `proto` = {relay_proto}, `type` and exactly the fields
+below (no `bus`), checked as the bus messages are: anything else is dropped and counted
+(`rejected`), and a message of an unknown or ended session is answered RELAY_EVICT.
+`manifest` and `workers` hold the bus protocol's [TensorSpec](#tensorspec) and
+[WorkerState](#workerstate) records.
+
+The bytes of a version travel on the generation's torch.distributed process group: a
+header `int64[4]` = (`{magic:#x}`, generation, version, bytes), then the root slot's
+bytes in `chunk_bytes` pieces, each a send/recv pair from rank 0 to every target relay
+(tag 0 for the header, 1, 2, … for the chunks).
+"""
+
 
 INTRO = """\
 # zmqsync wire protocol
@@ -389,6 +448,33 @@ def _notes(cls: type[Any]) -> str:
     )
 
 
+def _relay_section(cls: type[Any]) -> str:
+    doc = inspect.cleandoc(cls.__doc__ or "").replace("->", "→")
+    table = R.RELAY.fields[cls]
+    rows = [(name, describe(check), meaning) for name, (check, meaning) in table.items()]
+    if cls not in R.RELAY.types.values():
+        return "\n".join([f"## {cls.__name__}", "", doc, "", _table(rows), ""])
+    direction, socket = RELAY_ROUTES[cls]
+    rows = [("proto", f"int, = {R.RELAY_PROTO}", "relay protocol version"), *rows]
+    rows.insert(1, ("type", f'"{cls.TYPE}"', "message type"))
+    head = [f"## {cls.TYPE.upper()}", "", doc, ""]
+    head += [f"**Direction:** {direction}. **Socket:** {socket}.", ""]
+    return "\n".join([*head, _table(rows), ""])
+
+
+def _relay_part() -> str:
+    intro = RELAY_INTRO.format(
+        control_key=control_key("<name>"),
+        data_key=data_key("<name>"),
+        relay_proto=R.RELAY_PROTO,
+        magic=HEADER_MAGIC,
+    )
+    messages = list(R.RELAY.types.values())
+    records = [cls for cls in R.RELAY.fields if cls not in messages]
+    sections = [_relay_section(cls) for cls in (*messages, *records)]
+    return intro + "\n" + "\n".join(sections)
+
+
 def _section(cls: type[Any]) -> str:
     doc = inspect.cleandoc(cls.__doc__ or "").replace("->", "→")
     rows = [(name, describe(check), meaning) for name, (check, meaning) in P.FIELDS[cls].items()]
@@ -471,10 +557,11 @@ def render() -> str:
     missing = [c.__name__ for c in (*P.MESSAGE_TYPES.values(), *RECORDS) if c not in NOTES]
     missing += [c.__name__ for c in P.MESSAGE_TYPES.values() if c not in ROUTES]
     missing += [c.__name__ for c in P.FIELDS if c not in (*P.MESSAGE_TYPES.values(), *RECORDS)]
+    missing += [c.__name__ for c in R.RELAY.types.values() if c not in RELAY_ROUTES]
     if missing:
         raise SystemExit(f"gen_protocol_doc: describe {', '.join(missing)} in ROUTES/NOTES")
     sections = [_section(cls) for cls in (*P.MESSAGE_TYPES.values(), *RECORDS)]
-    return _intro() + "\n" + "\n".join(sections)
+    return _intro() + "\n" + "\n".join(sections) + "\n" + _relay_part()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
