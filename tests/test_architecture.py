@@ -1,0 +1,128 @@
+"""The import rules of docs/architecture.md, checked on the source (every import, also the
+ones inside functions): a module map is only worth what keeps it true."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "zmqsync"
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _imports(name: str) -> set[str]:
+    """Every module `name` imports, relative imports made absolute."""
+    path = MODULES[name]
+    tree = ast.parse(path.read_text())
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            found.add(module)
+            # `from . import _config` imports a module too
+            found.update(f"{module}.{alias.name}" for alias in node.names)
+    return found
+
+
+def _matching(prefixes: tuple[str, ...]) -> list[str]:
+    return sorted(m for m in MODULES if any(m == p or m.startswith(p + ".") for p in prefixes))
+
+
+def _violations(modules: list[str], forbidden: tuple[str, ...]) -> list[str]:
+    bad = []
+    for module in modules:
+        for imported in sorted(_imports(module)):
+            if any(imported == f or imported.startswith(f + ".") for f in forbidden):
+                bad.append(f"{module} imports {imported}")
+    return bad
+
+
+IO = ("zmq", "socket", "threading", "time", "os", "subprocess", "select", "mmap", "asyncio")
+# The roles: publisher and subscriber, their state objects, buffers, the protocol.
+CORE = (
+    "zmqsync._apply",
+    "zmqsync._buffers",
+    "zmqsync._checksum",
+    "zmqsync._config",
+    "zmqsync._connections",
+    "zmqsync._copy",
+    "zmqsync._deadline",
+    "zmqsync._errors",
+    "zmqsync._layout",
+    "zmqsync._lifecycle",
+    "zmqsync._link",
+    "zmqsync._protocol",
+    "zmqsync._publisher",
+    "zmqsync._publisher_agent",
+    "zmqsync._publisher_role",
+    "zmqsync._registry",
+    "zmqsync._security",
+    "zmqsync._slots",
+    "zmqsync._sockets",
+    "zmqsync._subscriber",
+    "zmqsync._text",
+    "zmqsync._transport",
+)
+RULES = {
+    "the protocol does no I/O, and knows no tensors": (
+        ("zmqsync._protocol",),
+        (*IO, "torch"),
+    ),
+    "the state objects take messages and a clock: no I/O, no clock, no tensors": (
+        ("zmqsync._registry", "zmqsync._publisher_role", "zmqsync._link"),
+        (*[m for m in IO if m != "os"], "torch"),
+    ),
+    "buffers, layout and copies never import zmq": (
+        ("zmqsync._buffers", "zmqsync._layout", "zmqsync._copy", "zmqsync._slots",
+         "zmqsync._apply"),
+        ("zmq",),
+    ),
+    "the roles never import the command line, the sniffer, the demo or the benchmarks": (
+        CORE,
+        ("zmqsync.cli", "zmqsync._sniff", "zmqsync._bench", "zmqsync._bench_worker",
+         "zmqsync._demo", "zmqsync._worker"),
+    ),
+    "the core never imports relays, integrations, or what only the CLI and extras use": (
+        CORE,
+        ("zmqsync.relay", "zmqsync.integrations", "rich", "matplotlib", "torchrl"),
+    ),
+}  # fmt: skip
+
+
+def test_every_module_named_in_the_rules_exists():
+    for _, (modules, _forbidden) in RULES.items():
+        for prefix in modules:
+            assert _matching((prefix,)), f"{prefix} is gone: update the rules and the docs"
+
+
+@pytest.mark.parametrize("rule", list(RULES))
+def test_import_rule(rule):
+    modules, forbidden = RULES[rule]
+    assert _violations(_matching(modules), forbidden) == [], rule
+
+
+def test_the_rules_catch_what_they_forbid():
+    # the checker itself: the CLI does import rich, and the publisher does import zmq
+    assert _violations(["zmqsync.cli"], ("rich",))
+    assert _violations(["zmqsync._publisher_agent"], ("zmq",))
