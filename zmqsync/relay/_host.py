@@ -37,7 +37,8 @@ from .._errors import ClosedError, ProtocolError, PublishTimeout, ZmqSyncError
 from .._protocol import TensorSpec
 from .._publisher import Publish, Publisher
 from .._sockets import NOBLOCK
-from ._host_agent import DataLink, Holding, Inbox, RelayAgent
+from ._data_channel import DataLink
+from ._host_agent import Holding, Inbox, RelayAgent
 from ._messages import RELAY, RELAY_ID, Commit, Prepare, Report, Send
 from ._rendezvous import data_identity, rendezvous, require_trusted
 from ._wire import (

@@ -4,8 +4,7 @@
 through the rendezvous store, sends JOIN (again, whenever the root is lost or ends the
 session), a STATUS every heartbeat, and the reports other threads hand it; what the
 data thread must act on (PREPARE, COMMIT, a notice that missed the data channel, "the
-root is lost") goes into that thread's inbox. `DataLink` is a DEALER to the root's data
-ROUTER, one per thread that uses it.
+root is lost") goes into that thread's inbox.
 """
 
 from __future__ import annotations
@@ -31,7 +30,7 @@ from .._deadline import Deadline
 from .._errors import ConnectTimeout, ProtocolError
 from .._protocol import WorkerState
 from .._publisher import Publisher
-from .._sockets import NOBLOCK, connect, post
+from .._sockets import connect, post
 from ._messages import (
     MAX_RELAY_WORKERS,
     RELAY,
@@ -49,7 +48,7 @@ from ._messages import (
 from ._rendezvous import control_key, data_key, ip
 from ._root_agent import ROOT_CLOSED
 
-__all__ = ["DataLink", "Holding", "Inbox", "RelayAgent"]
+__all__ = ["Holding", "Inbox", "RelayAgent"]
 
 log = logging.getLogger(__name__)
 
@@ -335,40 +334,3 @@ class RelayAgent:
                 return
             if isinstance(msg, Prepare | Commit | Send):
                 self.inbox.put((msg, self.store))
-
-
-class DataLink:
-    """One relay thread's DEALER to the root's data ROUTER (used by that thread only).
-
-    The data thread's carries its relay id as routing id (the root sends it notices);
-    the wait thread's is anonymous (it only sends "acked" reports).
-    """
-
-    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], identity: bytes | None) -> None:
-        self.ctx, self.identity = ctx, identity
-        self.endpoint = ""
-        self.sock: zmq.Socket[bytes] | None = None
-
-    def ensure(self, endpoint: str) -> zmq.Socket[bytes] | None:
-        """The socket connected to `endpoint` (reconnected when the root changed)."""
-        if endpoint != self.endpoint:
-            self.close()
-            self.endpoint = endpoint
-            if endpoint:
-                self.sock = connect(self.ctx, zmq.DEALER, endpoint, routing_id=self.identity)
-        return self.sock
-
-    def send(self, frame: bytes) -> bool:
-        if self.sock is None:
-            return False
-        try:
-            self.sock.send(frame, NOBLOCK)
-        except zmq.ZMQError:
-            return False
-        return True
-
-    def close(self) -> None:
-        if self.sock is not None:
-            self.sock.close()
-            self.sock = None
-        self.endpoint = ""

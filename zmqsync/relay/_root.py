@@ -37,11 +37,12 @@ from .. import _config, _lifecycle
 from .._deadline import Deadline
 from .._errors import ClosedError, ProtocolError, PublishTimeout, ZmqSyncError
 from .._protocol import Inspect, State, TensorSpec
-from .._sockets import NOBLOCK, bind, readable, request
+from .._sockets import request
 from .._subscriber import Subscriber
+from ._data_channel import DataChannel
 from ._membership import Generation, Member, Membership, Verdict
-from ._messages import RELAY, Commit, Evict, Prepare, RelayInfo, Report, Send
-from ._rendezvous import control_key, data_identity, data_key, ip, rendezvous, require_trusted
+from ._messages import RELAY, Commit, Evict, Prepare, RelayInfo, Send
+from ._rendezvous import control_key, data_key, rendezvous, require_trusted
 from ._root_agent import RootAgent
 from ._wire import (
     GroupThread,
@@ -196,8 +197,7 @@ class RelayRoot:
         self._resources = contextlib.ExitStack()
         self._store: Any = None
         self._agent: RootAgent | None = None
-        self._data_ctx: zmq.Context[zmq.Socket[bytes]] | None = None
-        self._data: zmq.Socket[bytes] | None = None  # the relay thread's alone
+        self._data: DataChannel | None = None  # the relay thread's alone
         self._data_endpoint = ""
         self._feed: Subscriber | None = None
         self._thread: threading.Thread | None = None
@@ -334,27 +334,13 @@ class RelayRoot:
         self._store = None
 
     def _open_data_channel(self) -> None:
-        """The ROUTER of the per-version messages (notices out, reports in).
-
-        Owned by the relay thread, so a notice leaves and a report is read without a
-        hand-off to the agent thread (each hand-off cost 0.1-0.3 ms on two busy cores).
-        Relays' data DEALERs name themselves by relay id; a restarted relay takes its
-        route over (ROUTER_HANDOVER); a notice to a relay not connected (yet) raises
-        (ROUTER_MANDATORY) and goes through the control channel instead.
-        """
-        self._data_ctx = zmq.Context()
-        self._data = bind(self._data_ctx, zmq.ROUTER, f"tcp://{ip(self._host)}:*")
-        self._data.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self._data.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        self._data_endpoint = self._data.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._data = DataChannel(self._host)
+        self._data_endpoint = self._data.endpoint
 
     def _close_data_channel(self) -> None:
         data, self._data = self._data, None
         if data is not None:
             data.close()
-        if self._data_ctx is not None:
-            self._data_ctx.destroy(linger=0)
-            self._data_ctx = None
 
     def _stop_thread(self) -> None:
         self._stopping.set()
@@ -728,15 +714,10 @@ class RelayRoot:
     def _send_notice(self, relay: Member, notice: Send, frame: bytes) -> None:
         """On the data channel when the relay's data thread is connected to it; else on
         the control channel (through the agent), which every relay reads."""
-        if self._data is not None:
-            try:
-                self._data.send_multipart([data_identity(relay.relay_id), frame], NOBLOCK)
-            except zmq.ZMQError:  # EHOSTUNREACH: not connected (yet); EAGAIN: full
-                pass
-            else:
-                with self._cond:
-                    self._membership.counters["data_notices"] += 1
-                return
+        if self._data is not None and self._data.notify(relay.relay_id, frame):
+            with self._cond:
+                self._membership.counters["data_notices"] += 1
+            return
         agent = self._agent
         assert agent is not None
         agent.send_to(relay.identity, notice)
@@ -754,26 +735,15 @@ class RelayRoot:
             with self._cond:
                 self._cond.wait(timeout_ms / 1000)
             return
-        if not data.poll(timeout_ms):
+        reports, rejected = data.reports(timeout_ms)
+        if not reports and not rejected:
             return
         now = time.monotonic()
-        for _ in range(_config.ACK_DRAIN_MAX):  # bounded: a flood cannot hold this thread
-            if not readable(data):
-                break
-            frames = data.recv_multipart(NOBLOCK)
-            try:
-                if len(frames) != 2:
-                    raise ProtocolError(f"{len(frames)} frames")
-                msg = RELAY.decode(frames[1])
-                if not isinstance(msg, Report):
-                    raise ProtocolError(f"{msg.TYPE} on the data channel")
-            except ProtocolError as exc:
-                with self._cond:
-                    self._membership.counters["rejected"] += 1
-                log.debug("dropped relay data message: %s", exc)
-                continue
-            with self._cond:
-                self._membership.report(msg, now)
+        with self._cond:
+            if rejected:
+                self._membership.counters["rejected"] += rejected
+            for report in reports:
+                self._membership.report(report, now)
 
     def _await(self, group: _Group, deadline: Deadline) -> str:
         """Wait until every member reached the version: "done", "reform" or "expired"."""
