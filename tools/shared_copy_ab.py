@@ -12,14 +12,16 @@ phase and the median over the phases.
     .venv/bin/python tools/shared_copy_ab.py --micro --size 64 [--busy]
 
 ``--step`` runs a 16 MiB torch ``copy_`` at its default threads before each publish, as
-a training step leaves its OpenMP threads spinning when ``publish()`` starts. Round 5
-also tried the shared loop for the publisher's big tensors; with ``--step`` it lost to
-torch's ``copy_`` (see docs/benchmarks.md; this tool at commit 51ca2ad has that side).
+a training step leaves its OpenMP threads spinning when ``publish()`` starts. The shared
+loop was also tried for the publisher's big tensors; with ``--step`` it lost to torch's
+``copy_`` (docs/benchmarks.md, "Tried and dropped: the shared copy for the publisher's big
+tensors"; this tool at commit 51ca2ad has that side).
 
 ``--micro`` times one copy of ``--size`` MiB into shared memory in this process: one
 thread (ctypes.memmove), torch's ``copy_`` at its default threads, and the native loop
 shared among ``COPY_THREADS``; ``--busy`` keeps one core busy with a spinning process
-meanwhile. The numbers of round 5 in docs/benchmarks.md come from this tool.
+meanwhile. The numbers of "Big copies shared among threads" in docs/benchmarks.md come
+from this tool.
 """
 
 from __future__ import annotations
