@@ -74,9 +74,10 @@ Local workers of a relay that dies keep their last version (the ordinary
 dead-publisher behaviour) and re-join when the relay restarts on the host.
 """
 
+from ._carrier import Relayed
 from ._host import Relay
 from ._messages import RelayInfo
-from ._root import Relayed, RelayRoot
+from ._root import RelayRoot
 from ._root_agent import inspect_relays
 
 __all__ = ["Relay", "RelayInfo", "RelayRoot", "Relayed", "inspect_relays"]
