@@ -13,13 +13,17 @@ import importlib.util
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from zmqsync import _bench
+from zmqsync import _bench, _bench_worker
+from zmqsync._bench.config import ROOT as BENCH_ROOT
+from zmqsync._bench.plan import padded_bytes, skip_reason
+from zmqsync._bench.units import GiB
 
 ROOT = Path(__file__).resolve().parent.parent
 HAS_TORCHRL = importlib.util.find_spec("torchrl") is not None
@@ -94,14 +98,57 @@ def test_quick_grid_smoke(tmp_path):
 
 
 def test_plan_skips_points_that_do_not_fit():
-    cfg = _bench.BenchConfig(mem_budget=2 * _bench.GiB)
-    one_gb = _bench._padded(_bench.SIZES["1G"])
-    assert _bench._skip_reason(cfg, "alias", 8, one_gb).startswith("skipped: needs")
-    assert _bench._skip_reason(cfg, "copy", 1, 4096) == ""
-    half_gb = _bench._padded(_bench.SIZES["512M"])
-    assert "per publish" in _bench._skip_reason(
-        _bench.BenchConfig(mem_budget=64 * _bench.GiB), "naive", 16, half_gb
+    cfg = _bench.BenchConfig(mem_budget=2 * GiB)
+    one_gb = padded_bytes(_bench.SIZES["1G"])
+    assert skip_reason(cfg, "alias", 8, one_gb).startswith("skipped: needs")
+    assert skip_reason(cfg, "copy", 1, 4096) == ""
+    half_gb = padded_bytes(_bench.SIZES["512M"])
+    assert "per publish" in skip_reason(
+        _bench.BenchConfig(mem_budget=64 * GiB), "naive", 16, half_gb
     )
+
+
+def test_workers_run_from_the_checkout_the_harness_imports():
+    # Workers get ROOT as cwd and first on PYTHONPATH: it must hold this very package.
+    assert BENCH_ROOT == ROOT
+    assert (BENCH_ROOT / "zmqsync" / "_bench_worker.py").is_file()
+
+
+def test_source_digest_changes_with_every_library_file(tmp_path, monkeypatch):
+    # A run refuses to mix two versions of the library (SourceChanged): the digest that
+    # the harness and every worker compare must change when any library file changes,
+    # in a subpackage as well as at the top. The benchmark's own files are not library.
+    copy = tmp_path / "zmqsync"
+    shutil.copytree(
+        ROOT / "zmqsync", copy, ignore=shutil.ignore_patterns("__pycache__", "*.so", "*.c")
+    )
+    monkeypatch.setattr(_bench_worker, "__file__", str(copy / "_bench_worker.py"))
+    bench = {copy / "_bench_worker.py", *(copy / "_bench").rglob("*.py")}
+    library = sorted(p for p in copy.rglob("*.py") if p not in bench)
+    assert any(p.parent != copy for p in library)  # subpackages are in the walk
+    before = _bench_worker.source_digest()
+    for path in library:
+        text = path.read_bytes()
+        path.write_bytes(text + b"\n# edited during a run\n")
+        assert _bench_worker.source_digest() != before, path.relative_to(copy)
+        path.write_bytes(text)
+    assert _bench_worker.source_digest() == before
+
+
+def test_the_library_and_the_parser_stay_lean():
+    # `import zmqsync` imports nothing of the benchmark, and the parser that `zmqsync
+    # --help` builds imports none of the command line's or the extras' heavy modules.
+    code = (
+        "import argparse, sys\n"
+        "import zmqsync\n"
+        "assert not [m for m in sys.modules if m.startswith('zmqsync._bench')]\n"
+        "from zmqsync import _bench\n"
+        "_bench.add_arguments(argparse.ArgumentParser())\n"
+        "heavy = {'rich', 'matplotlib', 'torchrl'} & {m.split('.')[0] for m in sys.modules}\n"
+        "assert not heavy, heavy\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
 
 
 def test_arguments_and_quick_config():
