@@ -391,6 +391,8 @@ def test_cli_root_process_and_an_in_process_relay(name, spawn, bus_dirs):
                 p = pub.publish(weights={"w": torch.ones(1000)})
                 assert not p.missing and sub.wait_for_version(1, timeout=20)
                 assert torch.equal(sub.weights["w"], torch.ones(1000))
+                # on_update runs on the relay's data thread just after it told the root
+                _wait(lambda: seen, 10, "on_update")
                 assert relay.version == 1 and relay.connected and seen == [1]
                 # the sniffer on the relay's bus sees the root's version number
                 sniffer.wait_for(

@@ -24,8 +24,8 @@ The rules:
    newer one of the same root bus, and has *acked* it when its local workers did.
    Numbers never go backwards within a bus; a new root bus starts them over.
 5. **The deadline** of a version: the relays that do not have it (``ack="relays"``) or
-   did not ack it (``ack="tree"``) miss it. ``on_timeout="evict"`` evicts them (they may
-   join again after ``LOST_AFTER_BEATS`` heartbeats); ``"raise"`` keeps them.
+   did not ack it (``ack="tree"``) miss it. ``on_timeout="evict"`` evicts them (told
+   EVICT, they join again by themselves, as new members); ``"raise"`` keeps them.
 
 Not thread-safe on its own: the root holds its lock for every call.
 """
@@ -37,7 +37,6 @@ import secrets
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 from .._config import LOST_AFTER_BEATS
 from .._protocol import WorkerState
@@ -146,8 +145,8 @@ class Membership:
         *,
         heartbeat: float,
         form_wait: float,
-        ack: Literal["tree", "relays"] | str = "tree",
-        on_timeout: Literal["evict", "raise"] | str = "evict",
+        ack: str = "tree",
+        on_timeout: str = "evict",
         max_relays: int = MAX_RELAYS,
         new_session: Callable[[], str] = lambda: secrets.token_hex(8),
     ) -> None:
