@@ -414,7 +414,7 @@ def source_digest() -> str:
     root = os.path.dirname(os.path.abspath(__file__))
     h = hashlib.sha1()
     for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
+        dirnames[:] = sorted(d for d in dirnames if d not in ("__pycache__", "_bench"))
         for name in sorted(filenames):
             if name.endswith(".py") and not name.startswith("_bench"):
                 path = os.path.join(dirpath, name)
