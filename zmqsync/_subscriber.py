@@ -827,22 +827,22 @@ class _Agent:
         # zmq_poll per version cost a worker ~20 us of CPU, as much as the rest of a raw
         # round trip. The socket's RCVTIMEO bounds the wait (heartbeats, the LOST
         # state's retries), and close() wakes it through the inproc PUB it is also
-        # connected to. One clock reading per frame serves the Link and the beat.
+        # connected to. The clock is read again after a frame: an apply may have taken
+        # a while, and a beat due since must not wait for the next frame or timeout.
         link = self.link
         while not self._terminating:
             events = self.events
             if events is None:  # not subscribed (between handshake attempts)
                 time.sleep(min(link.heartbeat, _WAIT_CAP_S))
-                now = time.monotonic()
             else:
                 try:
                     frame = events.recv()
                 except zmq.Again:  # RCVTIMEO: time to look at the clock
-                    now = time.monotonic()
+                    pass
                 else:  # a frame queued behind it is the next recv()'s, at once
-                    now = time.monotonic()
                     if frame != XPUB_WELCOME and frame != _WAKE:
-                        self._on_frame(frame, now)
+                        self._on_frame(frame, time.monotonic())
+            now = time.monotonic()
             if now >= link.next_tick:
                 for action in link.tick(now, self.port.version()):
                     self._do(action)
