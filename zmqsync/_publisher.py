@@ -25,6 +25,7 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import secrets
@@ -94,11 +95,11 @@ class Publish:
     """The handle of one published version: who acked, who is missing, how long it took."""
 
     def __init__(
-        self, pub: Publisher, version: int, targets: tuple[str, ...], started: float
+        self, ledger: _Ledger, version: int, targets: tuple[str, ...], started: float
     ) -> None:
         self.version = version
         self.targets = targets
-        self._pub = pub
+        self._ledger = ledger
         self._started = started
         self._finished: float | None = None
         self._acked: tuple[str, ...] | None = None
@@ -108,8 +109,7 @@ class Publish:
         """Targets that acknowledged this version (before leaving, if they left)."""
         if self._acked is not None:
             return self._acked
-        with self._pub._cond:
-            return tuple(self._pub._registry.acked(self.version, self.targets))
+        return self._ledger.acked(self.version, self.targets)
 
     @property
     def missing(self) -> tuple[str, ...]:
@@ -127,8 +127,7 @@ class Publish:
         """True once no target still on the bus is missing."""
         if self._finished is not None:
             return True
-        with self._pub._cond:
-            return not self._pub._registry.missing(self.version, self.targets)
+        return not self._ledger.missing(self.version, self.targets)
 
     def wait(self, timeout: float | None = DEFAULT) -> Publish:
         """Block until every target acked, then return self.
@@ -141,18 +140,28 @@ class Publish:
                 (`.missing` names them). With "evict" they are dropped instead, listed in
                 `.missing`, and wait() returns.
         """
-        return self._pub._wait(
-            self, Deadline(self._pub._timeout if timeout is DEFAULT else timeout)
-        )
-
-    def _finish(self, acked: Iterable[str]) -> None:
+        ledger = self._ledger
+        deadline = Deadline(ledger.timeout if timeout is DEFAULT else timeout)
+        acked = ledger.wait(self.version, self.targets, deadline)
         if self._finished is None:
             self._finished = time.perf_counter()
-            self._acked = tuple(acked)
+            self._acked = acked
+        return self
 
     def __repr__(self) -> str:
         state = "done" if self.done() else f"waiting for {len(self.missing)}"
         return f"<Publish v{self.version} {state} {self.seconds * 1e3:.2f} ms>"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ledger:
+    """What a `Publish` handle asks its publisher: who acked a version, who is missing,
+    and to wait for the rest (with the publisher's default timeout)."""
+
+    acked: Callable[[int, tuple[str, ...]], tuple[str, ...]]
+    missing: Callable[[int, tuple[str, ...]], list[str]]
+    wait: Callable[[int, tuple[str, ...], Deadline], tuple[str, ...]]
+    timeout: float | None
 
 
 class Publisher:
@@ -270,6 +279,7 @@ class Publisher:
         self._io = self._shared.io  # the events, acks and tap sockets (see the module doc)
         self._write_lock = self._shared.write_lock
         self._publish_lock = threading.Lock()
+        self._ledger = _Ledger(self._acked_now, self._missing_now, self._wait_for_acks, timeout)
         self._state = "new"  # new -> started -> closed
         self._agent: Agent | None = None
         self._slots: Slots | None = None  # the buffers, once started
@@ -476,9 +486,9 @@ class Publisher:
                     targets = tuple(members) if workers is None else tuple(w for w in workers)
                     self._counters["publishes"] += 1
             self._announce(version, slot)
-        handle = Publish(self, version, targets, started)
+        handle = Publish(self._ledger, version, targets, started)
         log.debug("published v%d into slot %d for %d workers", version, slot, len(targets))
-        return self._wait(handle, deadline) if wait else handle
+        return handle.wait(deadline.remaining()) if wait else handle
 
     def reserve_slot(self) -> int | None:
         """A slot that a `publish(fill=..., slot=...)` may write, or None while every slot
@@ -573,16 +583,26 @@ class Publisher:
                 blockers = self._registry.blockers()
                 self._on_deadline(self._registry.latest + 1, (), blockers, "still hold every slot")
 
-    def _wait(self, handle: Publish, deadline: Deadline) -> Publish:
-        version, targets = handle.version, handle.targets
+    def _wait_for_acks(
+        self, version: int, targets: tuple[str, ...], deadline: Deadline
+    ) -> tuple[str, ...]:
+        """Wait for every target's ack of `version`; the targets that acked (see
+        `_on_deadline` for what happens to the others)."""
         self._await(self._all_acked(version, targets), deadline)
         with self._cond:
             if missing := self._registry.missing(version, targets):
                 self._check_usable()
                 acked = self._registry.acked(version, targets)
                 self._on_deadline(version, acked, missing, "did not ack")
-            handle._finish(self._registry.acked(version, targets))
-        return handle
+            return tuple(self._registry.acked(version, targets))
+
+    def _acked_now(self, version: int, targets: tuple[str, ...]) -> tuple[str, ...]:
+        with self._cond:
+            return tuple(self._registry.acked(version, targets))
+
+    def _missing_now(self, version: int, targets: tuple[str, ...]) -> list[str]:
+        with self._cond:
+            return self._registry.missing(version, targets)
 
     def _all_acked(self, version: int, targets: tuple[str, ...]) -> Callable[[], bool]:
         """A check, asked after every ack (under `_cond`), of whether no target is missing.
