@@ -158,7 +158,9 @@ def _td_set(td: Any, key: Any, view: torch.Tensor) -> None:
 def _module_setter(module: torch.nn.Module, key: Key) -> Callable[[torch.Tensor], None]:
     owner = module.get_submodule(".".join(key[:-1])) if len(key) > 1 else module
     name = key[-1]
-    param = owner._parameters.get(name)
+    param = dict(owner.named_parameters(recurse=False)).get(name)
     if param is not None:  # keep the Parameter object: optimizers and hooks hold it
         return partial(setattr, param, "data")
-    return partial(owner._buffers.__setitem__, name)
+    # A buffer is set in the module's buffer dict directly: Module.__setattr__ would
+    # check parameters, modules and hooks first, per tensor and per version.
+    return partial(owner._buffers.__setitem__, name)  # noqa: SLF001

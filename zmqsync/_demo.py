@@ -120,8 +120,9 @@ def run_demo(
     name = f"demo-{os.getpid()}"
     result = DemoResult()
     procs: list[_WorkerProcess] = []
-    with Publisher(_state(model), name=name, slots=slots, timeout=timeout) as pub:
-        result.nbytes = pub._layout.nbytes
+    state = _state(model)
+    with Publisher(state, name=name, slots=slots, timeout=timeout) as pub:
+        result.nbytes = sum(t.numel() * t.element_size() for t in state.values())
         cmd = [
             sys.executable,
             "-m",

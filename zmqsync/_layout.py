@@ -45,9 +45,11 @@ _TORCH_DTYPES: dict[str, torch.dtype] = {
 _DTYPE_NAMES = {dtype: name for name, dtype in _TORCH_DTYPES.items()}
 
 
-# The base class's getters: nn.Parameter's own go through __torch_function__ (8x slower).
-_SHAPE: Callable[[torch.Tensor], tuple[int, ...]] = torch._C.TensorBase.shape.__get__  # type: ignore[attr-defined]
-_DTYPE: Callable[[torch.Tensor], torch.dtype] = torch._C.TensorBase.dtype.__get__  # type: ignore[attr-defined]
+# The base class's getters: nn.Parameter's own go through __torch_function__ (8x slower),
+# and torch has no public name for the base class.
+_BASE: Any = torch._C.TensorBase  # noqa: SLF001
+_SHAPE: Callable[[torch.Tensor], tuple[int, ...]] = _BASE.shape.__get__
+_DTYPE: Callable[[torch.Tensor], torch.dtype] = _BASE.dtype.__get__
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -124,9 +126,8 @@ def _module_plan(module: torch.nn.Module) -> list[tuple[Key, dict[str, Any], str
             return
         seen.add(id(m))
         modules.append((prefix, m))
-        for name, child in m._modules.items():
-            if child is not None:
-                visit((*prefix, name), child)
+        for name, child in m.named_children():
+            visit((*prefix, name), child)
 
     visit((), module)
     plan: list[tuple[Key, dict[str, Any], str]] = []

@@ -259,7 +259,8 @@ class CudaAttachment(AttachedBuffer):
 def _open(info: BufferInfo, device_index: int) -> torch.Tensor:
     global _OPENS
     try:
-        storage = torch.UntypedStorage._new_shared_cuda(
+        # torch's own CUDA IPC reduction opens a handle this way; it has no public one
+        storage = torch.UntypedStorage._new_shared_cuda(  # noqa: SLF001
             device_index, info.handle, info.size, 0, b"", 0, b"", False
         )
     except (RuntimeError, TypeError) as exc:
