@@ -448,14 +448,17 @@ def _receiver_view(scheme: Any, worker_idx: int) -> Any:
     instead. Only the plumbing of process start differs: the receiver uses exactly its
     own queues either way, and the sender's `send()` is torchrl's, untouched.
     """
+    # torchrl keeps this plumbing in private attributes: they are read and replaced
+    # here, on copies, and nothing else of torchrl's is touched (SLF001 below).
     view = copy.copy(scheme)  # __getstate__: flags reset, as pickling for a worker does
     for attr in ("_instruction_queues", "_ack_queues", "_weight_init_queues"):
         setattr(view, attr, {worker_idx: getattr(scheme, attr)[worker_idx]})
-    transport = copy.copy(scheme._shared_transport)
-    transport._weight_queues = {worker_idx: scheme._weight_init_queues[worker_idx]}
-    transport._params_map = {worker_idx: scheme._shared_transport._params_map[worker_idx]}
-    view._shared_transport = transport
-    view._is_shutdown = True  # this copy's __del__ must not close the sender's queues
+    shared = scheme._shared_transport  # noqa: SLF001
+    transport = copy.copy(shared)
+    transport._weight_queues = {worker_idx: view._weight_init_queues[worker_idx]}  # noqa: SLF001
+    transport._params_map = {worker_idx: shared._params_map[worker_idx]}  # noqa: SLF001
+    view._shared_transport = transport  # noqa: SLF001
+    view._is_shutdown = True  # noqa: SLF001  (its __del__ must not close the sender's queues)
     return view
 
 
@@ -465,7 +468,7 @@ def _torchrl_receiver(
     """One torchrl worker, as a collector's: init_on_receiver, connect, then serve."""
     _die_with_parent()
     try:
-        scheme._is_shutdown = False
+        scheme._is_shutdown = False  # noqa: SLF001  (see _receiver_view)
         model, _ = make_model(kind, nbytes, fill=False)
         scheme.init_on_receiver(model_id="policy", model=model, worker_idx=worker_idx)
         scheme.connect(worker_idx=worker_idx)  # starts torchrl's background receiver
