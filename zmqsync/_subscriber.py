@@ -708,11 +708,17 @@ class _Agent:
             self._terminating = True
             self.wake()
             self._thread.join(_config.THREAD_JOIN_S)
-            if self._thread.is_alive():
-                log.warning("subscriber agent thread did not stop within its deadline")
         with self._send_lock:
             self._wake.close()
-        self.ctx.destroy(linger=0)
+        if not self._thread.is_alive():
+            self.ctx.destroy(linger=0)
+            return
+        # Still inside a libzmq call (a REQ send no peer takes blocks for good): closing
+        # its sockets from this thread may abort the process. Terminating the context
+        # makes that call raise ContextTerminated instead; the agent then closes its
+        # sockets, which the term (on a thread of its own) waits for.
+        log.warning("subscriber agent thread did not stop within its deadline")
+        threading.Thread(target=self.ctx.term, name="zmqsync-sub-term", daemon=True).start()
 
     # --- agent thread ---
 
@@ -729,6 +735,8 @@ class _Agent:
             self._loop()
         except ReferenceError:
             pass  # the Subscriber was collected; its finalizer is stopping this thread
+        except zmq.ContextTerminated:
+            pass  # stop() gave up waiting and terminated the context (see there)
         except BaseException as exc:
             log.exception("subscriber agent failed")
             with contextlib.suppress(ReferenceError):
@@ -924,5 +932,7 @@ class _Agent:
                 self.acks.send(frame, NOBLOCK)
             except zmq.Again:
                 log.debug("acks queue full: %s dropped", kind)
+            except zmq.ContextTerminated:  # stop() gave up on this thread
+                return
             if linger_ms:
                 self.acks.linger = linger_ms
