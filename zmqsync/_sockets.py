@@ -10,6 +10,7 @@ group when one is configured).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -260,9 +261,12 @@ def request(
     for attempt in range(1, attempts + 1):
         req = connect(ctx, zmq.REQ, address, secure)
         try:
-            req.send(encode(msg))
-            if req.poll(deadline.share_ms(attempts - attempt + 1)) & zmq.POLLIN:
-                return decode(req.recv())
+            share = deadline.share_ms(attempts - attempt + 1)
+            req.sndtimeo = share if share < 0 else max(share, 1)  # a send nobody takes
+            with contextlib.suppress(zmq.Again):
+                req.send(encode(msg))
+                if req.poll(share) & zmq.POLLIN:
+                    return decode(req.recv())
         finally:
             req.close()
         log.debug("no reply from %s (attempt %d/%d)", address, attempt, attempts)

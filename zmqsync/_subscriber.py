@@ -42,9 +42,10 @@ import os
 import socket
 import threading
 import time
+import types
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
@@ -265,6 +266,12 @@ class Subscriber:
         return self._version
 
     @property
+    def bus_id(self) -> str:
+        """The bus the current version came from ("" before the first). A restarted
+        publisher is a new bus whose versions start over: (bus_id, version) names one."""
+        return self._version_bus
+
+    @property
     def connected(self) -> bool:
         """False while the publisher is unreachable (the last version stays in use)."""
         return not self._closed and self._link.connected
@@ -290,6 +297,17 @@ class Subscriber:
         if self._target is None:
             raise ClosedError(f"Subscriber {self.name!r} is not started")
         return self._target.weights()
+
+    @property
+    def tensors(self) -> Mapping[Key, torch.Tensor]:
+        """The same tensors as `weights`, as a read-only ``{key tuple: tensor}`` mapping.
+
+        What `on_update` callbacks and relays read per version: building the TensorDict
+        of `weights` costs microseconds per tensor, and a first one imports tensordict.
+        """
+        if self._target is None:
+            raise ClosedError(f"Subscriber {self.name!r} is not started")
+        return types.MappingProxyType(self._target.tensors)
 
     def poll(self, timeout: float | None = 0.0) -> bool:
         """Manual mode: apply the newest pending version. True if one was applied.

@@ -26,25 +26,30 @@ log = logging.getLogger(__name__)
 
 
 class _Verifier:
-    def __init__(self, sub: Subscriber, as_json: bool, verify: bool) -> None:
-        self.sub, self.as_json, self.verify = sub, as_json, verify
+    """The worker's `on_update`: report (and check) each version it applied."""
+
+    def __init__(self, as_json: bool, verify: bool) -> None:
+        self.sub: Subscriber | None = None  # set once the Subscriber exists
+        self.as_json, self.verify = as_json, verify
         self.versions: list[int] = []
         self.verified = 0
         self.mismatches: list[int] = []
         self.lock = threading.Lock()
 
     def __call__(self, version: int) -> None:
-        flat: dict[Key, Any] = dict(self.sub._target.tensors) if self.sub._target else {}
+        sub = self.sub
+        assert sub is not None
+        flat: dict[Key, Any] = dict(sub.tensors)
         record: dict[str, Any] = {
             "event": "applied",
-            "worker": self.sub.worker_id,
+            "worker": sub.worker_id,
             "version": version,
-            "bus": self.sub._bus,
+            "bus": sub.bus_id,
         }
         if self.verify:
             # The seqlock guard is the reader's side of the protocol: it can only trip
             # when this worker was evicted (or slots=1) and its slot was rewritten.
-            with self.sub.reading() as reading:
+            with sub.reading() as reading:
                 got, want = digest(flat), stored_digest(flat)
             ok = want is None or got == want or reading.torn
             record.update(checksum=got, expected=want, ok=ok, torn_detected=reading.torn)
@@ -59,13 +64,15 @@ class _Verifier:
             print(json.dumps(record), flush=True)
 
     def summary(self) -> dict[str, Any]:
+        sub = self.sub
+        assert sub is not None
         with self.lock:
             return {
                 "event": "summary",
-                "worker": self.sub.worker_id,
+                "worker": sub.worker_id,
                 "applied": len(self.versions),
                 "versions": self.versions,
-                "last_version": self.sub.version,
+                "last_version": sub.version,
                 "verified": self.verified,
                 "mismatches": self.mismatches,
             }
@@ -90,11 +97,17 @@ def run_worker(
         stop.set()
 
     signal.signal(signal.SIGTERM, on_signal)
+    verifier = _Verifier(as_json, verify)
     sub = Subscriber(
-        address, name=name, mode=mode, apply=apply, worker_id=worker_id, timeout=timeout
+        address,
+        name=name,
+        mode=mode,
+        apply=apply,
+        worker_id=worker_id,
+        timeout=timeout,
+        on_update=verifier,
     )
-    verifier = _Verifier(sub, as_json, verify)
-    sub._on_update = verifier
+    verifier.sub = sub
     with sub:
         while not stop.is_set():
             if apply == "manual":

@@ -416,10 +416,9 @@ class RelayRoot:
         """
         feed = self._feed
         assert feed is not None
-        # The bus id of the version the feed computes with: a Subscriber has no public
-        # accessor for it, and the version number alone starts over when the trainer
-        # restarts. Read on the applying thread (manual mode): it cannot change here.
-        bus = feed._version_bus  # noqa: SLF001 (see above)
+        # The version number alone starts over when the trainer restarts: (bus, version)
+        # names one. Read on the applying thread (manual mode): it cannot change here.
+        bus = feed.bus_id
         version = feed.version
         if bus != self._manifest_bus:  # the trainer restarted: new buffers, maybe a new model
             state = self._inspect_bus()
@@ -429,7 +428,7 @@ class RelayRoot:
             if self._carrier is not None:
                 self._carrier.bus_changed()
         first = self._manifest[0]
-        flat = flat_slot(feed.weights.get(first.key), first, self._slot_bytes)
+        flat = flat_slot(feed.tensors[first.key], first, self._slot_bytes)
         with self._cond:
             self._membership.hold(bus, version)
         return bus, version, flat
