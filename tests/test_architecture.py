@@ -82,7 +82,6 @@ CORE = (
     "zmqsync._sockets",
     "zmqsync._subscriber",
     "zmqsync._text",
-    "zmqsync._transport",
 )
 RULES = {
     "the protocol does no I/O, and knows no tensors": (

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from zmqsync._transport import (
+from zmqsync._buffers.transport import (
     CPU_PUBLISHER,
     DISABLED,
     IPC_HANDLE_BYTES,

@@ -29,8 +29,8 @@ import msgpack
 
 from zmqsync import _config
 from zmqsync import _protocol as P
-from zmqsync import _transport as T
 from zmqsync._buffers import header as H
+from zmqsync._buffers import transport as T
 from zmqsync._buffers.cpu import PREFIX, segment_name
 from zmqsync._config import XPUB_WELCOME
 from zmqsync._publisher import Publisher

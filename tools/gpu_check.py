@@ -53,7 +53,7 @@ import torch  # noqa: E402
 import zmqsync  # noqa: E402
 from zmqsync import _checksum, cli  # noqa: E402
 from zmqsync._buffers import cuda as zcuda  # noqa: E402
-from zmqsync._transport import DISABLED  # noqa: E402
+from zmqsync._buffers.transport import DISABLED  # noqa: E402
 
 GiB = 2**30
 TARGET = 0.70

@@ -30,6 +30,7 @@ import secrets
 from collections import Counter
 from collections.abc import Callable, Iterable
 
+from ._buffers.transport import registered
 from ._config import LOST_AFTER_BEATS
 from ._errors import ProtocolError
 from ._protocol import (
@@ -46,7 +47,6 @@ from ._protocol import (
     WorkerState,
 )
 from ._registry import Member, Registry
-from ._transport import registered
 
 __all__ = ["Endpoints", "PublisherRole"]
 

@@ -25,7 +25,7 @@ Three objects, one concern each:
   touches the sockets. In ``apply="manual"`` mode the agent only records the newest
   version; the user's thread applies it inside `poll()` and asks the agent to ACK.
 
-Transport (see ``_transport.py`` and docs/cuda.md): the HELLO says which transport the
+Transport (see ``_buffers/transport.py`` and docs/cuda.md): the HELLO says which transport the
 worker asks for; after WELCOME `choose_transport` decides with what the bus offers,
 and a worker that cannot map a CUDA buffer after all (GPU not visible, other PID
 namespace, handle refused) sends a second HELLO saying it reads the CPU copy, and why,
@@ -56,6 +56,16 @@ from . import _config, _lifecycle
 from ._apply import Target
 from ._buffers import CpuAttachment, CudaAttachment
 from ._buffers import cuda as _cuda
+from ._buffers.transport import (
+    Decision,
+    Facts,
+    choose_transport,
+    initial_transport,
+    ipc_disabled,
+    local_index,
+    pid_namespace,
+    registered,
+)
 from ._config import DEFAULT, XPUB_WELCOME
 from ._deadline import Deadline
 from ._errors import BufferUnavailable, ClosedError, ConnectTimeout, ProtocolError, ZmqSyncError
@@ -75,16 +85,6 @@ from ._protocol import (
 from ._security import CurveClient, client_from_env
 from ._sockets import NOBLOCK, Secure, connect, request, resolve_endpoint
 from ._text import printable
-from ._transport import (
-    Decision,
-    Facts,
-    choose_transport,
-    initial_transport,
-    ipc_disabled,
-    local_index,
-    pid_namespace,
-    registered,
-)
 
 __all__ = ["Reading", "Subscriber"]
 

@@ -28,10 +28,10 @@ from tests.conftest import ROOT
 from zmqsync import _publisher, _subscriber
 from zmqsync._buffers import CudaAttachment, SharedBuffer
 from zmqsync._buffers import cuda as zcuda
+from zmqsync._buffers.transport import CPU_PUBLISHER, DISABLED, NO_GPU, pid_namespace
 from zmqsync._checksum import CHECKSUM_KEY, digest, digest_tensor
 from zmqsync._errors import ProtocolError
 from zmqsync._protocol import BufferInfo, Welcome, decode, encode
-from zmqsync._transport import CPU_PUBLISHER, DISABLED, NO_GPU, pid_namespace
 
 HAS_GPU = torch.cuda.is_available()
 needs_gpu = pytest.mark.skipif(

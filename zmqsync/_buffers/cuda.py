@@ -46,14 +46,14 @@ import torch
 
 from .._errors import ProtocolError
 from .._protocol import BufferInfo
-from .._transport import (
+from .base import AttachedBuffer, SharedBuffer
+from .transport import (
     IPC_HANDLE_BYTES,
     expandable_segments,
     normalize_uuid,
     pid_namespace,
     raw_ipc_handle,
 )
-from .base import AttachedBuffer, SharedBuffer
 
 __all__ = [
     "CudaAttachment",
