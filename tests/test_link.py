@@ -85,7 +85,7 @@ def lost_by_silence(link: Link) -> float:
 def test_a_new_link_holds_nothing():
     link = Link("w0", "copy")
     assert link.state is LinkState.NEW and not link.connected
-    assert (link.bus, link.session, link.last_seq, link.slots) == ("", "", 0, 0)
+    assert (link.bus_id, link.session, link.last_seq, link.slots) == ("", "", 0, 0)
     assert (link.heartbeat, link.last_heard, link.next_tick, link.stopped) == (0.5, 0.0, 0.0, False)
     assert link.counters == {"rejected": 0, "foreign": 0, "gaps": 0}
 
@@ -102,7 +102,7 @@ def test_welcome_makes_the_link_active_on_its_bus():
     offer = link.welcome(welcome(heartbeat=0.25, seq=7), now=2.0, latest=None)
     assert offer == Offer(BUS, 3, 1), "the WELCOME's version, in its slot"
     assert link.state is LinkState.ACTIVE and link.connected
-    assert (link.bus, link.session, link.last_seq, link.slots) == (BUS, SESSION, 7, 2)
+    assert (link.bus_id, link.session, link.last_seq, link.slots) == (BUS, SESSION, 7, 2)
     assert (link.heartbeat, link.last_heard, link.stopped) == (0.25, 2.0, False)
     assert link.next_tick == 0.0, "the first beat is due at once"
     assert link.counters == {"rejected": 0, "foreign": 0, "gaps": 0}
@@ -146,7 +146,7 @@ def test_a_rejoin_adopts_the_new_welcome_and_clears_stopped():
     offer = link.welcome(welcome(bus=OTHER, seq=0, version=0, slot=0), 4.0, latest=None)
     assert offer == Offer(OTHER, 0, 0)
     assert link.state is LinkState.ACTIVE and not link.stopped
-    assert (link.bus, link.last_seq, link.last_heard) == (OTHER, 0, 4.0)
+    assert (link.bus_id, link.last_seq, link.last_heard) == (OTHER, 0, 4.0)
 
 
 def test_a_rejoins_first_beat_is_at_most_one_new_heartbeat_away():
@@ -375,7 +375,7 @@ def test_closed_ignores_everything(msg):
     assert link.repair((5, 0)) is None
     assert link.welcome(welcome(bus=OTHER), 2.0, latest=None) is None
     assert link.state is LinkState.CLOSED and not link.stopped
-    assert (link.bus, link.last_seq, link.last_heard) == (BUS, 10, 0.0)
+    assert (link.bus_id, link.last_seq, link.last_heard) == (BUS, 10, 0.0)
     assert link.counters == {"rejected": 0, "foreign": 0, "gaps": 0}
 
 

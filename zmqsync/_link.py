@@ -37,7 +37,7 @@ Invariants (the ZeroMQ Guide's Clone client, with liveness):
 7. **CLOSED is final** and ignores everything.
 
 Threads: one thread drives a Link (the agent's). Other threads only read single
-attributes (`state`, `stopped`, `bus`, `session`, the counters).
+attributes (`state`, `stopped`, `bus_id`, `session`, the counters).
 """
 
 from __future__ import annotations
@@ -141,7 +141,7 @@ class Link:
         self.worker_id = worker_id
         self.mode = mode
         self.state = LinkState.NEW
-        self.bus = ""  # of the WELCOME adopted last
+        self.bus_id = ""  # of the WELCOME adopted last
         self.session = ""  # ours on that bus: proves a re-join, echoed in ACK/HEARTBEAT/BYE
         self.last_seq = 0  # events up to this seq are covered
         self.slots = 0  # of that bus: a slot outside [0, slots) is not ours to read
@@ -187,7 +187,7 @@ class Link:
         if self.state is LinkState.CLOSED:
             return None
         self.state, self.stopped = LinkState.ACTIVE, False
-        self.bus, self.session, self.slots = welcome.bus, welcome.session, welcome.slots
+        self.bus_id, self.session, self.slots = welcome.bus, welcome.session, welcome.slots
         self.last_seq, self.heartbeat, self.last_heard = welcome.seq, welcome.heartbeat, now
         self.next_tick = min(self.next_tick, now + welcome.heartbeat)
         newer = self._latest(latest)
@@ -203,7 +203,7 @@ class Link:
         """What to do with a message from the events socket, received at `now`."""
         if self.state is LinkState.CLOSED:
             return None
-        if msg.bus != self.bus:
+        if msg.bus != self.bus_id:
             self.counters["foreign"] += 1
             if isinstance(msg, Heartbeat) and not msg.worker_id:
                 return self._lose("a new publisher answers at the address")
@@ -254,7 +254,7 @@ class Link:
         self.next_tick = now + self.heartbeat
         if self.state is LinkState.LOST:
             return (Handshake(),)
-        beat = Heartbeat(self.bus, 0, self.worker_id, self.session, max(version, -1))
+        beat = Heartbeat(self.bus_id, 0, self.worker_id, self.session, max(version, -1))
         if now - self.last_heard > self.heartbeat * LOST_AFTER_BEATS:
             lost = self._lose("publisher silent")
             assert lost is not None
@@ -268,7 +268,7 @@ class Link:
         if self.state is LinkState.CLOSED:
             return None
         self.state = LinkState.CLOSED
-        return Bye(self.bus, self.worker_id, self.session) if self.session else None
+        return Bye(self.bus_id, self.worker_id, self.session) if self.session else None
 
     # --- rules -----------------------------------------------------------------------------
 
@@ -288,7 +288,7 @@ class Link:
         if slot >= self.slots:
             self.counters["rejected"] += 1
             return None
-        return Offer(self.bus, version, slot)
+        return Offer(self.bus_id, version, slot)
 
     def _lose(self, reason: str) -> Lost | None:
         if self.state is not LinkState.ACTIVE:

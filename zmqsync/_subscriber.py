@@ -169,9 +169,9 @@ class Subscriber:
         self._apply_lock = threading.Lock()
         self._closed = False
         self._failure: BaseException | None = None
-        self._bus = ""  # of the buffers mapped now
+        self._bus_id = ""  # of the buffers mapped now
         self._version = -1
-        self._version_bus = ""
+        self._version_bus_id = ""
         self._pending: Offer | None = None
         self._held: tuple[int, int] | None = None  # (slot, seqlock counter) aliased now
         self._target: Target | None = None
@@ -269,7 +269,7 @@ class Subscriber:
     def bus_id(self) -> str:
         """The bus the current version came from ("" before the first). A restarted
         publisher is a new bus whose versions start over: (bus_id, version) names one."""
-        return self._version_bus
+        return self._version_bus_id
 
     @property
     def connected(self) -> bool:
@@ -423,15 +423,15 @@ class Subscriber:
         """After a WELCOME: the version to ACK, if any. The first join applies `offer`
         whatever the apply mode (start() returns computing with it); a re-join offers it
         like any version, and one that finds its bus's version applied ACKs it again."""
-        first = not self._version_bus
+        first = not self._version_bus_id
         applied = self._apply_offer(offer) if first else self._offer(offer)
-        if applied is None and self._version_bus == offer.bus:
+        if applied is None and self._version_bus_id == offer.bus:
             applied = self._version  # re-joined the same bus: already computing with it
         return applied
 
     def _offer(self, offer: Offer) -> int | None:
         """A version arrived (agent thread). Background: apply it now. Manual: keep it."""
-        if offer.bus == self._version_bus and offer.version <= self._version:
+        if offer.bus == self._version_bus_id and offer.version <= self._version:
             return None
         if self.apply == "background":
             return self._apply_offer(offer)
@@ -444,11 +444,11 @@ class Subscriber:
         """Apply `offer` or a newer version; the version applied, or None (stale)."""
         with self._apply_lock:
             attachment, views, target = self._attachment, self._views, self._target
-            if attachment is None or target is None or offer.bus != self._bus:
+            if attachment is None or target is None or offer.bus != self._bus_id:
                 return None  # re-handshaken since: a newer offer follows
             header, version, slot = attachment.header, offer.version, offer.slot
             for _ in range(_APPLY_ATTEMPTS):
-                if offer.bus == self._version_bus and version <= self._version:
+                if offer.bus == self._version_bus_id and version <= self._version:
                     return None
                 counter = header.read_begin(slot, version)
                 if counter is None:  # the slot moved on: take the newest version
@@ -469,7 +469,7 @@ class Subscriber:
                         _synchronize(self._sync_devices)
                 with self._cond:
                     self._held = (slot, counter) if self.mode == "alias" else None
-                    self._version, self._version_bus = version, offer.bus
+                    self._version, self._version_bus_id = version, offer.bus
                     self.counters["applied"] += 1
                     self._cond.notify_all()
                 if self._on_update is not None:
@@ -572,7 +572,7 @@ class Subscriber:
                 return decision
             views = [_slot_views(layout, attachment, gpus, i) for i in range(welcome.slots)]
             target = self._target
-            if target is None or welcome.bus != self._bus:
+            if target is None or welcome.bus != self._bus_id:
                 where = {key: view.device for key, view in views[0].items()}
                 target = Target(self.model, layout, self.mode, self._device, where)
         except BaseException:
@@ -584,7 +584,7 @@ class Subscriber:
             target.forget_views()
             old, self._attachment = self._attachment, attachment
             old_gpus, self._gpus = self._gpus, list(gpus.values())
-            self._views, self._target, self._bus = views, target, welcome.bus
+            self._views, self._target, self._bus_id = views, target, welcome.bus
             self._sync_devices = tuple(sorted(devices, key=str))
             self._transport = decision
         if old is not None:
@@ -718,7 +718,7 @@ class _Agent:
 
     def ack_from_user(self, version: int, bus: str) -> None:
         """Manual mode: ACK what the user's thread just applied (if still on that bus)."""
-        if bus == self.link.bus:
+        if bus == self.link.bus_id:
             self._ack(version)
 
     def stop(self) -> None:
@@ -933,7 +933,7 @@ class _Agent:
     def _ack(self, version: int) -> None:
         """ACK from a template: bus, worker id and session change only on a re-join."""
         link = self.link
-        key = (link.bus, link.worker_id, link.session)
+        key = (link.bus_id, link.worker_id, link.session)
         acks = self._acks
         if acks is None or acks[0] != key:  # a race only builds it twice
             acks = self._acks = (key, template(Ack, bus=key[0], worker_id=key[1], session=key[2]))
