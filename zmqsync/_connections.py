@@ -55,7 +55,9 @@ def raise_fd_limit() -> int:
 
 def connection_budget(soft_limit: int, in_use: int) -> int:
     """How many connections a bus may hold with `in_use` descriptors open already."""
-    reserve = max(FD_RESERVE_MIN, soft_limit // 8)
+    # A quarter: libzmq keeps accepting while the agent thread waits for a CPU, and on
+    # a loaded machine a same-uid process connecting in a tight loop filled an eighth.
+    reserve = max(FD_RESERVE_MIN, soft_limit // 4)
     return max(CONTROL_CONNECTIONS + 8, soft_limit - in_use - reserve)
 
 
