@@ -261,7 +261,7 @@ def test_subscriptions_other_than_everything_cost_the_publisher_nothing(ctx, spa
     if kind == "distinct":
         assert after.counters.get("dropped_peers", 0) > 0
     done = _end(victim)
-    assert done["peak_rss_mb"] < 400, f"the publisher grew to {done['peak_rss_mb']:.0f} MB"
+    assert done["peak_rss_mb"] < 600, f"the publisher grew to {done['peak_rss_mb']:.0f} MB"
     worker.kill()
 
 
