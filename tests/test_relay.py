@@ -613,9 +613,10 @@ def test_data_channel_carries_versions_drops_garbage_and_falls_back(name, bus_di
             evil.send_multipart([b"a", b"b"])
             assert not pub.publish(weights={"w": torch.full((4096,), 4.0)}).missing
             assert relay.version == 4
+            # before the context goes: linger=0 drops whatever it has not sent yet
+            assert _wait(lambda: root.counters.get("rejected", 0) >= 5, 10, "rejected frames")
         finally:
             ctx.destroy(linger=0)
-        assert _wait(lambda: root.counters.get("rejected", 0) >= 5, 10, "rejected frames")
         assert root.counters.get("stale", 0) >= 1
         # the relay's data thread drops its connection: notices take the control channel
         assert relay._agent is not None
