@@ -22,7 +22,8 @@ HB = 0.1  # heartbeat for these tests: a peer is lost after ~0.6 s
 
 
 def _worker(spawn, name, wid, *extra):
-    return spawn("worker", "--name", name, "--verify", "--json", "--worker-id", wid, *extra)
+    # no _checksum on these buses: --digest reports, --verify would refuse
+    return spawn("worker", "--name", name, "--digest", "--json", "--worker-id", wid, *extra)
 
 
 def _applied(proc, version):

@@ -8,23 +8,32 @@ messages. Nothing received is ever unpickled.
 
     with zmqsync.Subscriber(name="policy", model=policy) as sub:   # any other process
         sub.wait_for_version(1)
+
+The names below load on first use (PEP 562): `import zmqsync` alone costs milliseconds,
+so the operator's commands that never touch a tensor (``zmqsync --help``, ``inspect``,
+``sniff``, ``gc``) start without importing torch, while ``zmqsync.Publisher`` in a
+script is the class itself, as with an eager import.
 """
 
-from ._errors import (
-    BufferUnavailable,
-    ClosedError,
-    ConnectTimeout,
-    LayoutMismatch,
-    ProtocolError,
-    PublishTimeout,
-    SharedMemoryFull,
-    ZmqSyncError,
-)
-from ._publisher import Publish, Publisher
-from ._registry import WorkerInfo
-from ._security import CurveClient, CurveServer, curve_keypair
-from ._subscriber import Reading, Subscriber
-from .relay import Relay, RelayRoot
+import importlib as _importlib
+import typing as _typing
+
+if _typing.TYPE_CHECKING:  # what type checkers and IDEs see: the names, eagerly
+    from ._errors import (
+        BufferUnavailable,
+        ClosedError,
+        ConnectTimeout,
+        LayoutMismatch,
+        ProtocolError,
+        PublishTimeout,
+        SharedMemoryFull,
+        ZmqSyncError,
+    )
+    from ._publisher import Publish, Publisher
+    from ._registry import WorkerInfo
+    from ._security import CurveClient, CurveServer, curve_keypair
+    from ._subscriber import Reading, Subscriber
+    from .relay import Relay, RelayRoot
 
 __version__ = "0.1.0"
 
@@ -48,3 +57,39 @@ __all__ = [
     "WorkerInfo",
     "ZmqSyncError",
 ]
+
+# public name -> the private module that defines it
+_WHERE = {
+    "BufferUnavailable": "._errors",
+    "ClosedError": "._errors",
+    "ConnectTimeout": "._errors",
+    "LayoutMismatch": "._errors",
+    "ProtocolError": "._errors",
+    "PublishTimeout": "._errors",
+    "SharedMemoryFull": "._errors",
+    "ZmqSyncError": "._errors",
+    "Publish": "._publisher",
+    "Publisher": "._publisher",
+    "WorkerInfo": "._registry",
+    "CurveClient": "._security",
+    "CurveServer": "._security",
+    "curve_keypair": "._security",
+    "Reading": "._subscriber",
+    "Subscriber": "._subscriber",
+    "Relay": ".relay",
+    "RelayRoot": ".relay",
+}
+
+
+def __getattr__(name: str) -> _typing.Any:
+    """Import the module behind a public name on first use, and keep the name here."""
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'zmqsync' has no attribute {name!r}")
+    value = getattr(_importlib.import_module(module, __name__), name)
+    globals()[name] = value  # the next access is an ordinary attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -19,6 +19,7 @@ __all__ = [
     "DEFAULT",
     "XPUB_WELCOME",
     "ACK_DRAIN_MAX",
+    "RELAY_CHUNK_MB",
     "CONTROL_MAX_BYTES",
     "CONTROL_RCVHWM",
     "CONTROL_CONNECTIONS",
@@ -84,6 +85,9 @@ DRAIN_MAX = 1024
 DRAIN_BYTES = 1024 * 1024
 DRAIN_S = 0.002
 ACK_DRAIN_MAX = DRAIN_MAX  # the relay's drains
+# MiB per collective when a relay root sends a slot: the `zmqsync relay --chunk-mb`
+# default, here so that building the command's parser imports no relay (nor torch).
+RELAY_CHUNK_MB = 16.0
 HANDSHAKE_IVL_S = 5.0  # a connection that has not finished the ZMTP handshake by then is dropped
 FD_RESERVE_MIN = 64  # file descriptors kept free of connections for the process itself
 CONTROL_CONNECTIONS = 64  # open at once; a new one closes the oldest (see _connections)

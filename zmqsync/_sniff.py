@@ -18,6 +18,7 @@ from __future__ import annotations
 import datetime
 import statistics
 import struct
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -79,9 +80,10 @@ class Sniffer:
         self._sock.setsockopt(zmq.SUBSCRIBE, b"")
         self._sock.setsockopt(zmq.RCVHWM, 100_000)
 
-    def records(self, deadline: Deadline) -> Iterator[Record]:
-        """Frames as they arrive, until the deadline passes."""
-        while not deadline.expired():
+    def records(self, deadline: Deadline, stop: threading.Event | None = None) -> Iterator[Record]:
+        """Frames as they arrive, until the deadline passes or `stop` is set (a signal
+        handler's way to end a live capture between two frames, with nothing lost)."""
+        while not deadline.expired() and not (stop is not None and stop.is_set()):
             if not self._sock.poll(deadline.poll_ms(cap_s=0.2)) & zmq.POLLIN:
                 continue
             frame = self._sock.recv()

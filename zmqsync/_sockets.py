@@ -270,8 +270,11 @@ def request(
         finally:
             req.close()
         log.debug("no reply from %s (attempt %d/%d)", address, attempt, attempts)
+    if address.startswith("ipc://"):  # where the two sides look for the socket file
+        same = "with the same name (or address) and the same ZMQSYNC_RUNTIME_DIR on both sides"
+    else:
+        same = "listening on this address, reachable from here"
     raise ConnectTimeout(
         f"no publisher answered at {address} within {deadline.total:.1f} s; is it started, "
-        "with the same name (or address) and the same ZMQSYNC_RUNTIME_DIR on both sides "
-        "(and, for CURVE, with your public key allowed)?"
+        f"{same} (and, for CURVE, with your public key allowed)?"
     )

@@ -1,81 +1,273 @@
 """`zmqsync worker`: a standalone subscriber process (used by the demo and docker-compose).
 
 It holds the weights itself (no model), optionally verifies every version against the
-``_checksum`` tensor the trainer publishes, and with ``--json`` prints one JSON line per
-applied version and a summary line at exit, which is what tests and the demo read.
+``_checksum`` tensor the trainer publishes, and tells what happens to it: when it joined
+(bus, version, mode, transport), each version it applied, when the publisher went away
+and when it re-joined, and a summary at the end, also when stopped with Ctrl-C or
+SIGTERM. On a terminal the versions are one live line; otherwise one line each. With
+``--json`` every event is one JSON line on stdout (``joined``, ``applied``, ``lost``,
+``rejoined``, ``closed``, ``summary``), which is what tests, the demo and the soak read.
+
+The ``applied`` line is printed by the apply thread inside `on_update`, before the ack:
+once a publish returned, every worker's line for it is in its pipe. Everything else is
+printed by the main thread, which looks at the subscriber every `_TICK_S`; one lock
+keeps lines of the two threads whole.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import signal
 import sys
 import threading
+import time
+from collections.abc import Iterator
 from types import FrameType
-from typing import Any
+from typing import IO, Any
 
-from ._checksum import digest, stored_digest
+from ._checksum import CHECKSUM_KEY, digest, stored_digest
 from ._layout import Key
 from ._subscriber import Subscriber
 from ._text import printable
 
-__all__ = ["run_worker"]
+__all__ = ["NothingToVerify", "run_worker"]
 
 log = logging.getLogger(__name__)
+
+_TICK_S = 0.1  # how often the main thread looks at the subscriber and redraws
+
+
+class NothingToVerify(ValueError):
+    """``--verify`` against a bus whose versions carry no checksum."""
 
 
 class _Verifier:
     """The worker's `on_update`: report (and check) each version it applied."""
 
-    def __init__(self, as_json: bool, verify: bool) -> None:
+    def __init__(self, out: _Output, verify: bool, report_digest: bool = False) -> None:
         self.sub: Subscriber | None = None  # set once the Subscriber exists
-        self.as_json, self.verify = as_json, verify
+        self.out, self.verify = out, verify
+        self.report_digest = report_digest or verify
         self.versions: list[int] = []
         self.verified = 0
         self.mismatches: list[int] = []
+        self.unverifiable: list[int] = []  # versions of a re-joined bus without a checksum
         self.lock = threading.Lock()
 
     def __call__(self, version: int) -> None:
+        applied_ts = time.time()  # the version is applied; the ack follows this callback
         sub = self.sub
         assert sub is not None
-        flat: dict[Key, Any] = dict(sub.tensors)
         record: dict[str, Any] = {
             "event": "applied",
             "worker": sub.worker_id,
             "version": version,
             "bus": sub.bus_id,
+            "applied_ts": applied_ts,
         }
         if self.verify:
-            # The seqlock guard is the reader's side of the protocol: it can only trip
-            # when this worker was evicted (or slots=1) and its slot was rewritten.
-            with sub.reading() as reading:
-                got, want = digest(flat), stored_digest(flat)
-            ok = want is None or got == want or reading.torn
-            record.update(checksum=got, expected=want, ok=ok, torn_detected=reading.torn)
-            with self.lock:
-                self.verified += want is not None and got == want
-                if not ok:
-                    self.mismatches.append(version)
-                    log.error("version %d: checksum %s != published %s", version, got, want)
+            self._check(sub, version, record)
+        elif self.report_digest:
+            record["checksum"] = digest(dict(sub.tensors))
+            record["expected"] = stored_digest(dict(sub.tensors))
         with self.lock:
             self.versions.append(version)
-        if self.as_json:
-            print(json.dumps(record), flush=True)
+        if self.out.as_json:
+            self.out.json(record)
 
-    def summary(self) -> dict[str, Any]:
-        sub = self.sub
-        assert sub is not None
+    def _check(self, sub: Subscriber, version: int, record: dict[str, Any]) -> None:
+        flat: dict[Key, Any] = dict(sub.tensors)
+        # The seqlock guard is the reader's side of the protocol: it can only trip
+        # when this worker was evicted (or slots=1) and its slot was rewritten.
+        with sub.reading() as reading:
+            got, want = digest(flat), stored_digest(flat)
+        ok = want is not None and (got == want or reading.torn)
+        record.update(
+            checksum=got,
+            expected=want,
+            ok=ok,
+            torn_detected=reading.torn,
+            verify_s=time.time() - record["applied_ts"],
+        )
+        with self.lock:
+            self.verified += got == want
+            if want is None:
+                self.unverifiable.append(version)
+                log.error("version %d has no %s tensor to verify", version, CHECKSUM_KEY[0])
+            elif not ok:
+                self.mismatches.append(version)
+                log.error("version %d: checksum %s != published %s", version, got, want)
+
+    def summary(self, sub: Subscriber) -> dict[str, Any]:
         with self.lock:
             return {
                 "event": "summary",
                 "worker": sub.worker_id,
                 "applied": len(self.versions),
-                "versions": self.versions,
+                "versions": list(self.versions),
                 "last_version": sub.version,
                 "verified": self.verified,
-                "mismatches": self.mismatches,
+                "mismatches": list(self.mismatches),
+                "unverifiable": list(self.unverifiable),
             }
+
+
+class _Output:
+    """Lines for a person (a live line on a terminal) or JSON lines, kept whole."""
+
+    def __init__(self, stream: IO[str], as_json: bool) -> None:
+        self.stream, self.as_json = stream, as_json
+        self.live = not as_json and stream.isatty()
+        self._lock = threading.Lock()
+        self._open = False  # a live line is on screen, not ended by a newline
+
+    def json(self, record: dict[str, Any]) -> None:
+        # one write per line: print() writes the text and the newline separately
+        self._write(json.dumps(record) + "\n")
+
+    def say(self, text: str) -> None:
+        """One line of news (joined, lost, ...); ends a live line first."""
+        self._write(("\n" if self._open else "") + text + "\n")
+        self._open = False
+
+    def status(self, text: str) -> None:
+        """The live line: redrawn in place on a terminal."""
+        self._write(f"\r\x1b[K{text}")
+        self._open = True
+
+    def end(self) -> None:
+        if self._open:
+            self._write("\n")
+            self._open = False
+
+    def _write(self, text: str) -> None:
+        with self._lock:
+            self.stream.write(text)
+            self.stream.flush()
+
+
+class _Watch:
+    """What the main thread reports: link changes and the versions applied since."""
+
+    def __init__(self, sub: Subscriber, verifier: _Verifier, out: _Output, forever: bool) -> None:
+        self.sub, self.verifier, self.out, self.forever = sub, verifier, out, forever
+        self.connected = True
+        self.bus = sub.bus_id
+        self.shown = 0  # versions already reported (index into verifier.versions)
+
+    def joined(self) -> None:
+        sub = self.sub
+        record = {
+            "event": "joined",
+            "worker": sub.worker_id,
+            "name": sub.name,
+            "bus": sub.bus_id,
+            "address": sub.address,
+            "version": sub.version,
+            "mode": sub.mode,
+            "apply": sub.apply,
+            "transport": sub.transport,
+        }
+        if self.out.as_json:
+            self.out.json(record)
+            return
+        self.out.say(
+            f"worker {printable(sub.worker_id)} joined bus {sub.name!r} (id {sub.bus_id}) at "
+            f"{printable(sub.address)}: version {sub.version}, {sub.mode} mode, "
+            f"{sub.apply} apply, transport {printable(sub.transport)}"
+        )
+        with self.verifier.lock:  # the version it joined at is in the line above
+            self.shown = len(self.verifier.versions)
+
+    def tick(self) -> None:
+        sub = self.sub
+        connected = sub.connected
+        if connected != self.connected:
+            self.connected = connected
+            if connected:
+                self._rejoined()
+            else:
+                self._lost()
+        self.shown = self._show_versions()
+
+    def _lost(self) -> None:
+        sub = self.sub
+        why = "closed the bus" if sub.stopped else "went silent"
+        if self.out.as_json:
+            event = "closed" if sub.stopped else "lost"
+            self.out.json(
+                {"event": event, "worker": sub.worker_id, "bus": self.bus, "version": sub.version}
+            )
+            return
+        if sub.stopped and not self.forever:  # the worker ends now (--forever: it waits)
+            self.out.say(f"the publisher at {printable(sub.address)} closed the bus")
+            return
+        self.out.say(
+            f"the publisher at {printable(sub.address)} {why}; still computing with version "
+            f"{sub.version}; waiting for a publisher to answer there again"
+        )
+
+    def _rejoined(self) -> None:
+        sub = self.sub
+        new_bus = sub.bus_id != self.bus
+        self.bus = sub.bus_id
+        if self.out.as_json:
+            self.out.json(
+                {
+                    "event": "rejoined",
+                    "worker": sub.worker_id,
+                    "bus": sub.bus_id,
+                    "new_bus": new_bus,
+                    "version": sub.version,
+                }
+            )
+            return
+        what = f"a new publisher (bus id {sub.bus_id})" if new_bus else "the same publisher"
+        self.out.say(f"re-joined {what}: version {sub.version}")
+
+    def _show_versions(self) -> int:
+        if self.out.as_json:
+            return self.shown
+        with self.verifier.lock:
+            new = self.verifier.versions[self.shown :]
+            total, verified = len(self.verifier.versions), self.verifier.verified
+        if not new:
+            return self.shown
+        check = f", {verified} verified" if self.verifier.verify else ""
+        if self.out.live:
+            self.out.status(f"version {new[-1]} applied ({total} versions so far{check})")
+        else:
+            for version in new:
+                self.out.say(f"applied version {version}")
+        return self.shown + len(new)
+
+
+class _Signals:
+    """Ctrl-C and SIGTERM end the loop (and so print the summary) instead of killing.
+
+    Until the worker has joined there is nothing to summarise and the handshake may
+    wait for its whole deadline: then they interrupt it (KeyboardInterrupt).
+    """
+
+    def __init__(self) -> None:
+        self.stop = threading.Event()
+        self.joined = False
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        self.stop.set()
+        if not self.joined:
+            raise KeyboardInterrupt
 
 
 def run_worker(
@@ -86,18 +278,28 @@ def run_worker(
     apply: str,
     verify: bool,
     as_json: bool,
+    report_digest: bool = False,
     worker_id: str | None,
     until_version: int | None,
     forever: bool,
     timeout: float,
+    stream: IO[str] | None = None,
 ) -> int:
-    stop = threading.Event()
+    """Join the bus, report until it closes (or a signal, or `until_version`), summarise.
 
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        stop.set()
+    Returns:
+        0, or 1 when a version failed its checksum or had none to check.
 
-    signal.signal(signal.SIGTERM, on_signal)
-    verifier = _Verifier(as_json, verify)
+    `report_digest` puts each version's digest in its JSON line (``checksum``, and
+    ``expected`` when the bus has one) without checking anything: for tests that compare
+    it with the trainer's own.
+
+    Raises:
+        NothingToVerify: `verify` on a bus that publishes no ``_checksum``.
+    """
+    out = _Output(stream if stream is not None else sys.stdout, as_json)
+    signals = _Signals()
+    verifier = _Verifier(out, verify, report_digest)
     sub = Subscriber(
         address,
         name=name,
@@ -108,24 +310,42 @@ def run_worker(
         on_update=verifier,
     )
     verifier.sub = sub
-    with sub:
-        while not stop.is_set():
+    with signals.installed(), sub:
+        if verify and CHECKSUM_KEY not in sub.tensors:
+            raise NothingToVerify(
+                f"bus {sub.name!r} at {printable(sub.address)} publishes no "
+                f"{CHECKSUM_KEY[0]!r} tensor, so --verify has nothing to check: drop "
+                "--verify, or publish the weights' digest (zmqsync demo and tools/trainer.py do)"
+            )
+        watch = _Watch(sub, verifier, out, forever)
+        watch.joined()
+        signals.joined = True
+        while not signals.stop.is_set():
             if apply == "manual":
-                sub.poll(0.1)
-            elif sub.wait_for_stop(0.1) and not forever:
-                break
+                sub.poll(_TICK_S)
+            else:
+                signals.stop.wait(_TICK_S)
+            watch.tick()
             if until_version is not None and sub.version >= until_version:
                 break
-            if apply == "manual" and sub.stopped and not forever:
+            if sub.stopped and not forever:
                 break
-    summary = verifier.summary()
-    if as_json:
-        print(json.dumps(summary), flush=True)
-    else:
-        print(
-            f"worker {printable(summary['worker'])}: applied {summary['applied']} versions "
-            f"(last {summary['last_version']}), {summary['verified']} verified, "
-            f"{len(summary['mismatches'])} mismatches",
-            file=sys.stderr,
-        )
-    return 1 if summary["mismatches"] else 0
+        summary = verifier.summary(sub)
+    out.end()
+    _print_summary(out, summary, verify)
+    return 1 if summary["mismatches"] or summary["unverifiable"] else 0
+
+
+def _print_summary(out: _Output, summary: dict[str, Any], verify: bool) -> None:
+    if out.as_json:
+        out.json(summary)
+        return
+    check = ""
+    if verify:
+        check = f", {summary['verified']} verified, {len(summary['mismatches'])} mismatches"
+        if summary["unverifiable"]:
+            check += f", {len(summary['unverifiable'])} without a checksum"
+    out.say(
+        f"worker {printable(summary['worker'])}: applied {summary['applied']} versions "
+        f"(last {summary['last_version']}){check}"
+    )

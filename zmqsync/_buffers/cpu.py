@@ -29,7 +29,6 @@ import logging
 import mmap
 import os
 import stat
-import time
 import warnings
 import weakref
 from collections.abc import Iterator
@@ -38,6 +37,7 @@ from typing import Any, ClassVar
 import torch
 
 from .._errors import BufferUnavailable, ProtocolError, SharedMemoryFull
+from .._gc import PREFIX, collect_garbage  # torch-free, for `zmqsync gc`
 from .._protocol import BufferInfo
 from .base import AttachedBuffer, SharedBuffer
 from .header import HEADER_BYTES, Header
@@ -46,8 +46,6 @@ __all__ = ["CpuAttachment", "CpuSegment", "collect_garbage", "segment_name"]
 
 log = logging.getLogger(__name__)
 
-PREFIX = "zmqsync-"
-_TMP_GRACE_S = 60.0  # a half-created segment older than this, unlocked, is garbage
 _FULL_ERRNOS = (errno.ENOSPC, errno.EFBIG, errno.ENOMEM, errno.EDQUOT)
 
 
@@ -275,50 +273,3 @@ def _check_owner(path: str, st: os.stat_result, owner: tuple[int, str], control:
             "publisher makes segments 0600 (0640 with group=); check what answers at the "
             "address"
         )
-
-
-def collect_garbage(directory: str) -> list[str]:
-    """Remove zmqsync segments in `directory` that no process holds a lock on.
-
-    Returns the paths removed. Safe to run at any time: a segment in use is locked by
-    its publisher and every subscriber, and a lock cannot be taken while it is held.
-    """
-    removed: list[str] = []
-    try:
-        names = os.listdir(directory)
-    except FileNotFoundError:
-        return removed
-    for name in names:
-        is_tmp = name.startswith(f".{PREFIX}") and name.endswith(".tmp")
-        if not (name.startswith(PREFIX) or is_tmp):
-            continue
-        path = os.path.join(directory, name)
-        if _remove_if_unlocked(path, min_age_s=_TMP_GRACE_S if is_tmp else 0.0):
-            removed.append(path)
-    if removed:
-        log.info("removed %d leaked segment(s) from %s", len(removed), directory)
-    return removed
-
-
-def _remove_if_unlocked(path: str, *, min_age_s: float) -> bool:
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-    except OSError:
-        return False
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
-            return False
-        if time.time() - st.st_mtime < min_age_s:
-            return False
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return False  # in use
-        with contextlib.suppress(FileNotFoundError):
-            if os.stat(path, follow_symlinks=False).st_ino == st.st_ino:
-                os.unlink(path)
-                return True
-        return False
-    finally:
-        os.close(fd)
