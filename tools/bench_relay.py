@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import zmqsync  # noqa: E402
-from zmqsync.relay._wire import gloo_device  # noqa: E402
+from zmqsync.relay._wire import gloo_devices  # noqa: E402
 
 TIMEOUT = datetime.timedelta(seconds=120)
 
@@ -49,7 +49,7 @@ TIMEOUT = datetime.timedelta(seconds=120)
 def _raw_group(store: dist.Store, rank: int) -> dist.ProcessGroup:
     opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
     opts._timeout = TIMEOUT
-    opts._devices = [gloo_device("127.0.0.1")]
+    opts._devices = gloo_devices("127.0.0.1")
     return dist.ProcessGroupGloo(dist.PrefixStore("bench/raw/", store), rank, 3, opts)  # type: ignore[attr-defined]
 
 

@@ -19,6 +19,7 @@ __all__ = [
     "ip",
     "rendezvous",
     "require_trusted",
+    "source_ip",
 ]
 
 
@@ -71,6 +72,22 @@ def ip(host: str) -> str:
         return socket.gethostbyname(host)
     except OSError as exc:
         raise ValueError(f"cannot resolve rendezvous host {host!r}: {exc}") from exc
+
+
+def source_ip(host: str) -> str:
+    """The address of this host that packets to `host` leave from (its route to `host`;
+    nothing is sent: a UDP socket is only connected).
+
+    Raises:
+        ValueError: `host` does not resolve, or no route leads there.
+    """
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.connect(address)
+            return str(probe.getsockname()[0])
+    except OSError as exc:
+        raise ValueError(f"no route from this host to the rendezvous host {host!r}: {exc}") from exc
 
 
 def control_key(name: str) -> str:

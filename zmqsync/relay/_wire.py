@@ -34,6 +34,7 @@ from .._errors import ZmqSyncError
 from .._layout import Key, Layout, torch_dtype
 from .._protocol import TensorSpec
 from .._security import is_loopback
+from ._rendezvous import source_ip
 
 __all__ = [
     "HEADER_MAGIC",
@@ -43,7 +44,7 @@ __all__ = [
     "WireError",
     "check_backend",
     "flat_slot",
-    "gloo_device",
+    "gloo_devices",
     "layout_of",
     "new_process_group",
     "on_cpu",
@@ -137,11 +138,26 @@ def check_backend(backend: str, device: str | None) -> torch.device | None:
     return torch.device(device or f"cuda:{torch.cuda.current_device()}")
 
 
-def gloo_device(host: str) -> Any:
-    """Loopback rendezvous: keep gloo on loopback. Else torch's default (GLOO_SOCKET_IFNAME)."""
-    if is_loopback(f"tcp://{host}:0") and not os.environ.get("GLOO_SOCKET_IFNAME"):
-        return dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")
-    return dist.ProcessGroupGloo.create_default_device()
+def gloo_devices(host: str) -> list[Any]:
+    """The network devices gloo uses in a group whose rendezvous is at `host`.
+
+    ``GLOO_SOCKET_IFNAME`` (torch's variable: interface names, comma-separated) wins; a
+    loopback rendezvous keeps gloo on 127.0.0.1; else gloo binds the address this host
+    reaches `host` from (the route to the root). Not torch's default device, which
+    binds the address the host name resolves to: on Debian that is 127.0.1.1, in a
+    container or a network namespace often nothing (then loopback), and the other
+    hosts cannot connect to either. A group made by hand ignores GLOO_SOCKET_IFNAME
+    unless it is read here (only ``init_process_group`` reads it).
+
+    Raises:
+        ValueError: no route from this host to `host`.
+    """
+    names = [n for n in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if n]
+    if names:
+        return [dist.ProcessGroupGloo.create_device(interface=name) for name in names]
+    if is_loopback(f"tcp://{host}:0"):
+        return [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    return [dist.ProcessGroupGloo.create_device(hostname=source_ip(host))]
 
 
 def new_process_group(
@@ -164,7 +180,7 @@ def new_process_group(
     if backend == "gloo":
         opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # noqa: SLF001 (see above)
         opts._timeout = timeout  # noqa: SLF001 (see above)
-        opts._devices = [gloo_device(host)]  # noqa: SLF001 (see above)
+        opts._devices = gloo_devices(host)  # noqa: SLF001 (see above)
         pg = dist.ProcessGroupGloo(prefixed, rank, world, opts)
     else:
         nccl_opts = dist.ProcessGroupNCCL.Options()
