@@ -492,7 +492,9 @@ def test_a_template_packs_what_encode_packs(
     ack = template(Ack, bus=bus, worker_id=worker_id, session=session)
     assert ack(version) == encode(Ack(bus, worker_id, session, version))
     receive = template(Receive, bus=bus)
-    assert receive(seq, version, slot) == encode(Receive(bus, seq, version, slot))
+    assert receive(seq, version, slot, b"") == encode(Receive(bus, seq, version, slot))
+    changed = bytes([slot % 256, 1])
+    assert receive(seq, version, slot, changed) == encode(Receive(bus, seq, version, slot, changed))
 
 
 def test_a_template_needs_a_flat_message_and_its_own_fields() -> None:
@@ -509,6 +511,8 @@ HOT_FIELD_VALUES = {
     "seq": st.sampled_from([0, 1, 2**63 - 1, 2**63, -1, True]) | VALUES,
     "version": st.sampled_from([0, 5, 2**63 - 1, 2**63, -1, False, 1.0]) | VALUES,
     "slot": st.sampled_from([0, 63, 64, -1, True]) | VALUES,
+    "changed": st.sampled_from([b"", b"\x05", b"x" * 12_500, b"x" * 12_501, "ab", bytearray()])
+    | VALUES,
 }
 
 

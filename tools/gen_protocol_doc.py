@@ -314,7 +314,8 @@ with ERROR (on control); it never raises into the program that received it, exce
 a subscriber's `start()` fails with `ProtocolError` when the answer to its HELLO is not
 a valid WELCOME.
 
-For example RECEIVE {{bus {ex_bus}, seq 5, version 4, slot 1}} as a map:
+For example RECEIVE {{bus {ex_bus}, seq 5, version 4, slot 1}} as a map (JSON shows the
+bytes of `changed`, empty here, as a list of numbers):
 
 ```json
 {receive_json}
@@ -533,7 +534,11 @@ def _intro() -> str:
             f"| {name} | {' | '.join(cells)} |" for name, cells in SOCKETS.items()
         ),
         ex_bus=EXAMPLE_BUS,
-        receive_json=json.dumps(msgpack.unpackb(P.encode(receive)), indent=None),
+        receive_json=json.dumps(
+            msgpack.unpackb(P.encode(receive)),
+            indent=None,
+            default=lambda b: list(b) if isinstance(b, bytes) else str(b),
+        ),
         inspect_hex="\n".join(hex_lines),
         attempts=_config.HANDSHAKE_ATTEMPTS,
         xpub_welcome='b"' + repr(XPUB_WELCOME)[2:-1] + '"',

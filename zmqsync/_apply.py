@@ -69,6 +69,9 @@ class Target:
                 ) from None
         # per slot view mapping (kept alive in the tuple, so its id is not reused)
         self._copy_plans: dict[int, tuple[Mapping[Key, torch.Tensor], CopyPlan]] = {}
+        self._subset_plans: dict[
+            tuple[int, frozenset[Key]], tuple[Mapping[Key, torch.Tensor], CopyPlan]
+        ] = {}
         self._binders: dict[int, tuple[Mapping[Key, torch.Tensor], list[_Binder]]] = {}
         if mode == "alias":
             wrong = sorted(
@@ -84,7 +87,9 @@ class Target:
                     "use mode='copy' for a model on another device"
                 )
 
-    def copy_from(self, views: Mapping[Key, torch.Tensor]) -> None:
+    def copy_from(
+        self, views: Mapping[Key, torch.Tensor], keys: frozenset[Key] | None = None
+    ) -> None:
         """Copy one slot into the model's own tensors.
 
         Plain CPU tensors (`bytes_are_values`) are copied as bytes, on this thread, by
@@ -98,11 +103,24 @@ class Target:
         plan saw the tensor; every copy first checks those addresses (a storage resized
         under the model moves or frees them) and plans again if one changed.
         """
+        if keys is not None:  # only what changed (a partial publish): planned per subset
+            self._copy_subset(views, keys)
+            return
         plan = self._copy_plans.get(id(views))
         if plan is None or plan[0] is not views or not plan[1].still_valid():
             plan = (views, CopyPlan.of(self.tensors, views))
             self._copy_plans[id(views)] = plan
         plan[1].run()
+
+    def _copy_subset(self, views: Mapping[Key, torch.Tensor], keys: frozenset[Key]) -> None:
+        cached = self._subset_plans.get((id(views), keys))
+        if cached is None or cached[0] is not views or not cached[1].still_valid():
+            if len(self._subset_plans) > 64:  # the few subsets a trainer publishes
+                self._subset_plans.clear()
+            mine = {k: t for k, t in self.tensors.items() if k in keys}
+            cached = (views, CopyPlan.of(mine, views))
+            self._subset_plans[(id(views), keys)] = cached
+        cached[1].run()
 
     def alias_to(self, views: dict[Key, torch.Tensor]) -> None:
         """Point the model's tensors at one slot: one ``.data`` or dict store per tensor.
@@ -121,6 +139,7 @@ class Target:
     def forget_views(self) -> None:
         """Drop what was prepared for the old slot views (they pin the old mapping)."""
         self._copy_plans.clear()
+        self._subset_plans.clear()
         self._binders.clear()
 
     def weights(self) -> Any:

@@ -319,11 +319,15 @@ def _write_bytes(sources: list[torch.Tensor], moves: list[ByteMove]) -> bool:
 
 
 def write_plan(
-    views: Mapping[Key, torch.Tensor], gpu: Mapping[Key, torch.Tensor] | None = None
+    views: Mapping[Key, torch.Tensor],
+    gpu: Mapping[Key, torch.Tensor] | None = None,
+    *,
+    cast: bool = False,
 ) -> WritePlan:
     """The copies of one slot, grouped once. `views`: the slot's CPU views of every
     tensor; `gpu`: the views of those kept in a CUDA buffer (their CPU views then hold
-    the copies made for workers that read the CPU segment)."""
+    the copies made for workers that read the CPU segment); `cast`: the sources have
+    other dtypes than the slot (no byte copies: torch casts)."""
     gpu = gpu or {}
     small: list[tuple[Key, torch.Tensor]] = []
     big: list[tuple[Key, torch.Tensor]] = []
@@ -334,6 +338,8 @@ def write_plan(
             )
     mirror = [(key, views[key]) for key in gpu]
     moves = [ByteMove.to(v) for _, v in small] if len(small) <= MEMMOVE_ALL_MAX else []
+    if cast:
+        moves = []
     return WritePlan(
         list(gpu.items()), [k for k, _ in small], [v for _, v in small], moves, big, mirror
     )

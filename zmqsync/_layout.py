@@ -277,14 +277,20 @@ class Layout:
         keys = [spec.key for spec in self.specs]
         return keys, [spec.shape for spec in self.specs], [torch_dtype(s.dtype) for s in self.specs]
 
-    def check(self, flat: Mapping[Key, torch.Tensor]) -> None:
-        """Raise LayoutMismatch naming the first difference between `flat` and the layout."""
-        keys, shapes, dtypes = self._signature
+    def check(self, flat: Mapping[Key, torch.Tensor], keys: frozenset[Key] | None = None) -> None:
+        """Raise LayoutMismatch naming the first difference between `flat` and the layout
+        (`keys`: only those tensors, the others may be missing)."""
+        if keys is not None:
+            for spec in self.specs:
+                if spec.key in keys:
+                    self._check_one(spec, flat[spec.key])
+            return
+        names, shapes, dtypes = self._signature
         # The hot path: same keys in the same order, same shapes and dtypes; shapes
         # compare as plain tuples (a list of torch.Size compares 10x slower).
         values = flat.values()
         if (
-            list(flat) == keys
+            list(flat) == names
             and list(map(_SHAPE, values)) == shapes
             and list(map(_DTYPE, values)) == dtypes
         ):
@@ -301,14 +307,28 @@ class Layout:
                 "publish tensors with the same keys, or start a new Publisher"
             )
         for spec in self.specs:
-            tensor = flat[spec.key]
-            dtype = _DTYPE_NAMES.get(tensor.dtype, str(tensor.dtype))
-            if tuple(tensor.shape) != spec.shape or dtype != spec.dtype:
+            self._check_one(spec, flat[spec.key])
+
+    @staticmethod
+    def _check_one(spec: TensorSpec, tensor: torch.Tensor) -> None:
+        dtype = _DTYPE_NAMES.get(tensor.dtype, str(tensor.dtype))
+        if tuple(tensor.shape) != spec.shape or dtype != spec.dtype:
+            raise LayoutMismatch(
+                f"{spec.name}: got {dtype}{list(tensor.shape)}, the bus carries "
+                f"{spec.dtype}{list(spec.shape)}; publish the same shapes and dtypes, "
+                "or start a new Publisher"
+            )
+
+    def check_keys(self, flat: Mapping[Key, torch.Tensor], keys: Iterable[Key]) -> None:
+        """Like `check`, for a partial publish: `flat` holds at least `keys`, as laid out."""
+        specs = {spec.key: spec for spec in self.specs}
+        for key in keys:
+            if key not in flat:
                 raise LayoutMismatch(
-                    f"{spec.name}: got {dtype}{list(tensor.shape)}, the bus carries "
-                    f"{spec.dtype}{list(spec.shape)}; publish the same shapes and dtypes, "
-                    "or start a new Publisher"
+                    f"publish(keys=...) names {'.'.join(key)!r}, which the tensors given "
+                    "do not hold; pass them, or leave weights= out to read the source"
                 )
+        self.check({k: flat[k] for k in specs if k in flat}, keys=frozenset(keys))
 
     def views(self, slot: torch.Tensor, buffer: int | None = None) -> dict[Key, torch.Tensor]:
         """Typed views of every tensor inside `slot` (a flat uint8 tensor).

@@ -83,11 +83,13 @@ class LinkState(enum.Enum):
 @dataclass(slots=True)  # not frozen: that costs ~0.25 us per version; never changed
 class Offer:
     """Apply version `version` from slot `slot` of bus `bus` (or a newer one the header
-    names), then ACK the version applied."""
+    names), then ACK the version applied. `changed`: RECEIVE's bitmap of the tensors
+    that changed since the version before (empty: all of them)."""
 
     bus: str
     version: int
     slot: int
+    changed: bytes = b""
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,7 +217,7 @@ class Link:
                 return Rejected(f"RECEIVE v{msg.version} for slot {msg.slot} of {self.slots}")
             if self._seen(msg.seq):
                 return None
-            return Offer(msg.bus, msg.version, msg.slot)
+            return Offer(msg.bus, msg.version, msg.slot, msg.changed)
         if isinstance(msg, Stop):
             if self._seen(msg.seq):
                 return None

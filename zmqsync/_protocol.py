@@ -146,6 +146,7 @@ def _show(value: Any, limit: int) -> str:
 
 # What the fast decode of the hot messages needs to know about a field's check.
 _INT_RANGES: dict[Check, tuple[int, int]] = {}
+_BIN_MAX: dict[Check, int] = {}
 _TEXT_PASSED: dict[Check, set[str]] = {}
 
 
@@ -220,6 +221,7 @@ def _bin(max_len: int) -> Check:
         return value
 
     check.__doc__ = f"bytes, at most {max_len}"
+    _BIN_MAX[check] = max_len
     return check
 
 
@@ -279,7 +281,8 @@ def _build(cls: type[Any], raw: dict[Any, Any], where: str, skip: tuple[str, ...
 
 _PLANS: dict[type[Any], tuple[tuple[str, Check], ...]] = {}
 
-# (name, strings that passed its check, or None for an int field, the int's range)
+# (name, strings that passed its check (text), else None and the int's range, or for
+# bytes the range (-1, max length))
 _FastPlan = tuple[tuple[str, set[str] | None, int, int], ...]
 
 
@@ -288,6 +291,8 @@ def _fast_plan(cls: type[Any]) -> _FastPlan:
     for name, check in _plan(cls):
         passed = _TEXT_PASSED.get(check)
         lo, hi = _INT_RANGES.get(check, (0, -1))
+        if check in _BIN_MAX:
+            lo, hi = -1, _BIN_MAX[check]
         if passed is None and lo > hi:  # a field check the fast path does not know
             raise TypeError(f"{cls.__name__}.{name}: no fast check; decode it with _build")
         plan.append((name, passed, lo, hi))
@@ -309,6 +314,9 @@ def _build_fast(cls: type[Any], raw: dict[Any, Any], plan: _FastPlan) -> Any:
         value = raw.get(name)
         if passed is not None:
             if type(value) is not str or value not in passed:
+                return None
+        elif lo < 0:  # bytes
+            if type(value) is not bytes or len(value) > hi:
                 return None
         elif type(value) is not int or not lo <= value <= hi:
             return None
@@ -501,6 +509,7 @@ class Receive:
     seq: int
     version: int
     slot: int
+    changed: bytes = b""
 
 
 @dataclass(frozen=True, slots=True)
@@ -610,6 +619,7 @@ _COUNTER_NAME = _text(64)
 _COUNTER = _int()
 _SLOT = _int(0, MAX_SLOTS - 1)
 _KEY_PART = _text(256, empty=False)
+_CHANGED = _bin((MAX_TENSORS + 7) // 8)
 _ENDPOINT = _text(512, re.compile(r"^(ipc|tcp|inproc)://"), empty=False)
 
 # name -> (check, description). The specification; docs/protocol.md is generated from it.
@@ -677,6 +687,11 @@ FIELDS: dict[type[Any], dict[str, tuple[Check, str]]] = {
         "seq": (_int(1), "event sequence number, +1 per RECEIVE/STOP"),
         "version": (_VERSION, "the new version"),
         "slot": (_SLOT, "slot it was written to"),
+        "changed": (
+            _CHANGED,
+            "tensors changed since the version before: bit i (byte i // 8, bit i % 8) for "
+            "manifest entry i; empty: take every tensor as changed",
+        ),
     },
     Stop: {
         "bus": (_BUS, "bus id"),

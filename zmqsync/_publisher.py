@@ -44,13 +44,14 @@ from ._config import DEFAULT
 from ._config import XPUB_WELCOME as XPUB_WELCOME  # until _subscriber imports it from _config
 from ._connections import connection_budget, open_descriptors, raise_fd_limit
 from ._deadline import Deadline
-from ._errors import ClosedError, PublishTimeout, ZmqSyncError
+from ._errors import ClosedError, LayoutMismatch, PublishTimeout, ZmqSyncError
 from ._layout import (
     Key,
     Layout,
     ModuleReader,
     flatten,
 )
+from ._overlap import Pending, StepGuard, Writer
 from ._protocol import (
     Inspect,
     Receive,
@@ -95,14 +96,42 @@ class Publish:
     """The handle of one published version: who acked, who is missing, how long it took."""
 
     def __init__(
-        self, ledger: _Ledger, version: int, targets: tuple[str, ...], started: float
+        self,
+        ledger: _Ledger,
+        version: int,
+        targets: tuple[str, ...],
+        started: float,
+        pending: Pending | None = None,
     ) -> None:
         self.version = version
         self.targets = targets
         self._ledger = ledger
         self._started = started
+        self._returned = time.perf_counter()  # when publish() handed this back
+        self._pending = pending  # the background copy, with optimizer=
         self._finished: float | None = None
         self._acked: tuple[str, ...] | None = None
+
+    @property
+    def written(self) -> bool:
+        """True once every byte of this version is in its slot and it was announced."""
+        return self._pending is None or self._pending.done.is_set()
+
+    @property
+    def write_seconds(self) -> float | None:
+        """From publish() to the version being announced (None while it is written)."""
+        if self._pending is None:
+            return self._returned - self._started
+        at = self._pending.written_at
+        return None if at is None else at - self._started
+
+    @property
+    def blocked(self) -> float:
+        """Seconds the publishing thread waited for this version: inside publish() (to
+        the return, or for a free slot) plus, with optimizer=, inside ``step()`` for its
+        background copy. What publishing cost the training loop."""
+        guard = self._pending.guard_wait if self._pending is not None else 0.0
+        return self._returned - self._started + guard
 
     @property
     def acked(self) -> tuple[str, ...]:
@@ -142,6 +171,8 @@ class Publish:
         """
         ledger = self._ledger
         deadline = Deadline(ledger.timeout if timeout is DEFAULT else timeout)
+        if self._pending is not None:  # announced only once written
+            self._pending.wait(deadline.remaining())
         acked = ledger.wait(self.version, self.targets, deadline)
         if self._finished is None:
             self._finished = time.perf_counter()
@@ -189,6 +220,13 @@ class Publisher:
             become 0660 with that group), for containers running as different uids.
         max_workers: more HELLOs from new worker ids are refused ("bus full").
         handshake_rate: HELLOs per second accepted (a HELLO storm is refused, counted).
+        optimizer: the optimizer (or several) whose ``step()`` writes the published
+            tensors. Then a publish copies them in the background while the trainer runs
+            its next forward and backward, and ``step()`` waits only while that copy is
+            unfinished (see `publish`). Without it, a publish copies everything first.
+        dtype: the dtype the slots hold floating-point tensors in (e.g. torch.bfloat16
+            for a float32 trainer: half the bytes written, mapped and copied); the
+            trainer's tensors are cast on the way. None: as they are.
     """
 
     def __init__(
@@ -208,6 +246,8 @@ class Publisher:
         group: str | int | None = None,
         max_workers: int = 1024,
         handshake_rate: float = 200.0,
+        optimizer: torch.optim.Optimizer | Iterable[torch.optim.Optimizer] | None = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         self.name = _config.check_name(name)
         if not 1 <= slots <= 64:
@@ -233,14 +273,22 @@ class Publisher:
             raise ValueError(f"weights on {len(cuda)} GPUs: at most 15 per bus")
         index = {device: i + 1 for i, device in enumerate(cuda)}
         self._cuda_devices = cuda
-        self._layout = Layout.of(
-            flat, {key: index[d] for key, d in placed.items() if d != "cpu"} if cuda else None
-        )
+        buffers = {key: index[d] for key, d in placed.items() if d != "cpu"} if cuda else None
+        # What publish() reads is checked against the trainer's tensors; the slots hold
+        # them cast to `dtype` when one is given.
+        self._source_layout = Layout.of(flat, buffers)
+        self._layout = Layout.of(_cast(flat, dtype), buffers) if dtype else self._source_layout
         self._reader = (
             ModuleReader(weights, (spec.key for spec in self._layout.specs))
             if isinstance(weights, torch.nn.Module)
             else None
         )
+        if isinstance(optimizer, torch.optim.Optimizer):
+            optimizer = (optimizer,)
+        self._optimizers = tuple(optimizer or ())
+        self._guard: StepGuard | None = None  # with optimizers, once started
+        self._writer: Writer | None = None
+        self._pending: tuple[int, Pending] | None = None  # (version, its background copy)
         self._address_arg = address
         self._slot_count = slots
         self._timeout = timeout
@@ -257,7 +305,9 @@ class Publisher:
         self._max_workers = max_workers
         self._handshake_rate = handshake_rate
         self.bus_id = secrets.token_hex(8)  # new at every start of a publisher
-        self._receive = template(Receive, bus=self.bus_id)  # (seq, version, slot) -> frame
+        # (seq, version, slot, changed) -> frame
+        self._receive = template(Receive, bus=self.bus_id)
+        self._bits: dict[frozenset[Key], bytes] = {}  # tensors named -> RECEIVE.changed
         self.address = ""
         self._role = PublisherRole(
             name=self.name,
@@ -332,7 +382,8 @@ class Publisher:
                 )
                 for device in self._cuda_devices  # one dedicated buffer per GPU
             ]
-            slots = self._slots = Slots(self._layout, segment, cuda)
+            cast = self._layout is not self._source_layout
+            slots = self._slots = Slots(self._layout, segment, cuda, cast=cast)
             slots.write(0, 0, flatten(self._source), mirror=False)
             self._registry.record(0, 0)
             self._role.cuda = slots.cuda
@@ -341,6 +392,11 @@ class Publisher:
             self._agent = Agent(self._shared)
             self._agent.start()
             stack.callback(self._agent.stop)
+            if self._optimizers:  # closed before the agent: a pending version goes out
+                self._guard = StepGuard(self._optimizers, self._timeout)
+                stack.callback(self._guard.remove)
+                self._writer = Writer(self.name)
+                stack.callback(self._writer.close)
             self._resources = stack.pop_all()
         self._state = "started"
         self._pid = os.getpid()
@@ -436,6 +492,7 @@ class Publisher:
         workers: Iterable[str] | None = None,
         timeout: float | None = DEFAULT,
         version: int | None = None,
+        keys: Iterable[str | Key] | None = None,
         fill: Callable[[torch.Tensor], None] | None = None,
         slot: int | None = None,
     ) -> Publish:
@@ -443,16 +500,22 @@ class Publisher:
 
         The steps, in order: read and check the weights; claim a slot no worker holds
         (waiting for acks if need be); write it under the seqlock; announce it (RECEIVE);
-        wait for the acks.
+        wait for the acks. With ``optimizer=`` the write of the optimizer's tensors and
+        the announcement happen in the background: ``publish(wait=False)`` returns once
+        the rest is copied, and the next ``optimizer.step()`` waits only if that copy
+        has not finished (`Publish.blocked` says how long the training thread waited).
 
         Args:
             weights: tensors to publish instead of re-reading the source (same keys,
-                shapes, dtypes).
+                shapes, dtypes; with `keys`, at least those).
             wait: False returns at once; call `Publish.wait` later.
             workers: only these workers must ack (the others still get the version).
             timeout: one deadline for the whole publish; left out: the publisher's.
             version: the number to publish under (default: the last one + 1); it must be
                 greater than the last. A relay uses this to keep the root's numbering.
+            keys: publish only these tensors (dotted names or key tuples, e.g. an
+                adapter's) as the new version; every other tensor keeps the value it had
+                in the last version, in every slot.
             fill: write the version's bytes yourself: called with the slot's bytes (a
                 flat uint8 tensor, laid out as the manifest says) instead of copying
                 `weights`. A relay lands bytes received from the network this way.
@@ -468,27 +531,33 @@ class Publisher:
         self._check_usable()
         started = time.perf_counter()
         deadline = Deadline(self._timeout if timeout is DEFAULT else timeout)
-        flat = self._read(weights) if fill is None else {}
+        named = self._named(keys)
+        flat = self._read(weights, named) if fill is None else {}
         if slot is not None and fill is None:
             raise ValueError("slot= needs fill=: the slot's bytes are yours to write")
         with self._publish_lock:
+            self._settle(deadline)  # the version before this one is out first
             latest = self._registry.latest
             if version is None:
                 version = latest + 1
             elif version <= latest:
                 raise ValueError(f"version {version} is not greater than the last ({latest})")
             slot = self._claim_slot(deadline) if slot is None else self._reserved(slot)
-            with self._write_lock:  # a worker reading the CPU copy joins before or after
-                self._write(slot, version, flat, fill)
-                with self._cond:
-                    self._registry.record(version, slot)
-                    members = self._registry.members
-                    targets = tuple(members) if workers is None else tuple(w for w in workers)
-                    self._counters["publishes"] += 1
-            self._announce(version, slot)
-        handle = Publish(self._ledger, version, targets, started)
+            with self._cond:
+                targets = tuple(self._registry.members) if workers is None else tuple(workers)
+            pending = None
+            if self._writer is not None and fill is None:
+                pending = self._write_overlapped(slot, version, flat, named)
+            else:
+                with self._write_lock:  # a worker reading the CPU copy joins before or after
+                    self._write(slot, version, flat, named, fill)
+                    self._record(version, slot)
+                self._announce(version, slot, named)
+        handle = Publish(self._ledger, version, targets, started, pending)
         log.debug("published v%d into slot %d for %d workers", version, slot, len(targets))
-        return handle.wait(deadline.remaining()) if wait else handle
+        if wait:
+            handle.wait(deadline.remaining())
+        return handle
 
     def reserve_slot(self) -> int | None:
         """A slot that a `publish(fill=..., slot=...)` may write, or None while every slot
@@ -526,13 +595,35 @@ class Publisher:
             state = "closed" if self._state == "closed" else "not started"
             raise ClosedError(f"Publisher {self.name!r} is {state}; call start() on a new one")
 
-    def _read(self, weights: Any) -> dict[Key, torch.Tensor]:
+    def _named(self, keys: Iterable[str | Key] | None) -> frozenset[Key] | None:
+        """`keys` as the layout's key tuples (None: every tensor)."""
+        if keys is None:
+            return None
+        known: dict[str | Key, Key] = {spec.key: spec.key for spec in self._layout.specs}
+        known.update({spec.name: spec.key for spec in self._layout.specs})
+        named = []
+        for key in [keys] if isinstance(keys, str) else keys:
+            found = known.get(key if isinstance(key, str) else tuple(key))
+            if found is None:
+                raise LayoutMismatch(
+                    f"keys: {key!r} is not a tensor of this bus; name tensors as the "
+                    "manifest does (dotted names, e.g. 'head.weight', or key tuples)"
+                )
+            named.append(found)
+        if not named:
+            raise ValueError("keys= names no tensor: leave it out to publish all of them")
+        return frozenset(named)
+
+    def _read(self, weights: Any, named: frozenset[Key] | None) -> dict[Key, torch.Tensor]:
         """The tensors to publish: `weights`, or the source re-read; checked."""
         if weights is None and self._reader is not None:
             flat = self._reader.read()
         else:
             flat = flatten(self._source if weights is None else weights, detach=False)
-        self._layout.check(flat)
+        if named is None or len(flat) == len(self._layout.specs):
+            self._source_layout.check(flat)
+        else:  # a partial publish from tensors of only the named keys
+            self._source_layout.check_keys(flat, named)
         return flat
 
     def _reserved(self, slot: int) -> int:
@@ -546,15 +637,96 @@ class Publisher:
         slot: int,
         version: int,
         flat: dict[Key, torch.Tensor],
+        named: frozenset[Key] | None,
         fill: Callable[[torch.Tensor], None] | None,
     ) -> None:
-        """Write `slot` (caller holds `_write_lock`): `flat`, or whatever `fill` lands."""
-        assert self._slots is not None
-        if fill is None:
-            self._slots.write(slot, version, flat, mirror=self._needs_mirror())
-            return
-        with self._slots.writing(slot, version):
-            fill(self._slots.flat(slot))
+        """Write `slot` (caller holds `_write_lock`): `flat` (its `named` tensors, and
+        the others the slot holds old values of), or whatever `fill` lands."""
+        slots = self._slots
+        assert slots is not None
+        if fill is not None:
+            with slots.writing(slot, version):
+                fill(slots.flat(slot))
+        elif named is None:
+            slots.write(slot, version, flat, mirror=self._needs_mirror())
+        else:
+            mirror = self._needs_mirror()
+            slots.begin(slot)
+            slots.copy(slot, flat, named, mirror=mirror)
+            slots.refresh(slot, slots.stale(slot, named))
+            slots.finish(slot, version, named, mirror=mirror)
+
+    def _write_overlapped(
+        self, slot: int, version: int, flat: dict[Key, torch.Tensor], named: frozenset[Key] | None
+    ) -> Pending:
+        """Copy now what the optimizer does not write; leave the rest to the writer thread,
+        which then records and announces the version (see `_overlap`)."""
+        slots, guard, writer = self._slots, self._guard, self._writer
+        assert slots is not None and guard is not None and writer is not None
+        every = frozenset(slots.keys) if named is None else named
+        owned = guard.owned()
+        late = frozenset(k for k in every if id(flat[k]) in owned)
+        with self._write_lock:
+            mirror = self._needs_mirror()
+            slots.begin(slot)
+            slots.copy(slot, flat, every - late, mirror=mirror)
+            slots.refresh(slot, slots.stale(slot, every))
+        before = self._stream_events(late, flat)
+
+        def finish() -> None:  # on the writer thread
+            with self._write_lock:
+                self._wait_for_trainer(before)
+                slots.copy(slot, flat, late, mirror=mirror)
+                slots.finish(slot, version, every, mirror=mirror)
+                self._record(version, slot)
+            self._announce(version, slot, named)
+
+        pending = writer.submit(finish)
+        guard.pending = pending
+        self._pending = (version, pending)
+        return pending
+
+    def _stream_events(
+        self, keys: frozenset[Key], flat: dict[Key, torch.Tensor]
+    ) -> list[torch.cuda.Event]:
+        """CUDA tensors: an event on each device's current stream now, so the writer
+        thread's copy starts after the kernels the trainer queued before publish()."""
+        devices = {flat[k].device for k in keys if flat[k].is_cuda}
+        events = []
+        for device in devices:
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record(torch.cuda.current_stream(device))
+            events.append(event)
+        return events
+
+    @staticmethod
+    def _wait_for_trainer(events: list[torch.cuda.Event]) -> None:
+        for event in events:
+            torch.cuda.current_stream(event.device).wait_event(event)
+
+    def _changed_bits(self, named: frozenset[Key]) -> bytes:
+        """RECEIVE's bitmap of `named` over the manifest (bit i: entry i), computed once
+        per set of keys (a trainer publishes the same few subsets again and again)."""
+        bits = self._bits.get(named)
+        if bits is None:
+            mask = sum(1 << i for i, spec in enumerate(self._layout.specs) if spec.key in named)
+            bits = mask.to_bytes((len(self._layout.specs) + 7) // 8, "little")
+            if len(self._bits) > 64:
+                self._bits.clear()
+            self._bits[named] = bits
+        return bits
+
+    def _settle(self, deadline: Deadline) -> None:
+        """Wait for the version still being written in the background, if any."""
+        if self._pending is not None:
+            _, pending = self._pending
+            pending.wait(deadline.remaining())
+            self._pending = None
+
+    def _record(self, version: int, slot: int) -> None:
+        with self._cond:
+            self._registry.record(version, slot)
+            self._counters["publishes"] += 1
 
     def _needs_mirror(self) -> bool:
         """Whether a worker reading the CPU copy of CUDA weights is on the bus."""
@@ -656,8 +828,10 @@ class Publisher:
                     if not ready():
                         self._cond.wait(deadline.wait_s(FAST_COLLECT_S))
 
-    def _announce(self, version: int, slot: int) -> None:
-        """Send RECEIVE from this thread (see the module doc: no hand-off to the agent)."""
+    def _announce(self, version: int, slot: int, named: frozenset[Key] | None = None) -> None:
+        """Send RECEIVE from this thread (see the module doc: no hand-off to the agent);
+        `named`: the tensors it changed, for copy-mode workers (None: all of them)."""
+        changed = b"" if named is None else self._changed_bits(named)
         agent = self._agent
         assert agent is not None
         if not self._io.acquire(timeout=IO_LOCK_S):
@@ -665,7 +839,7 @@ class Publisher:
         try:
             if agent.closed:
                 raise ClosedError(f"Publisher {self.name!r} was closed while publishing")
-            agent.send_frame(self._receive(self._role.next_seq(), version, slot))
+            agent.send_frame(self._receive(self._role.next_seq(), version, slot, changed))
         finally:
             self._io.release()
 
@@ -691,6 +865,14 @@ class Publisher:
             cmd = b"evict %s %s" % (member.session.encode(), member.worker_id.encode())
             self._agent.command(cmd)  # type: ignore[union-attr]
         self._cond.notify_all()
+
+
+def _cast(flat: dict[Key, torch.Tensor], dtype: torch.dtype) -> dict[Key, torch.Tensor]:
+    """What the slots hold for `flat` with floating tensors in `dtype` (no memory: meta)."""
+    return {
+        key: torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device="meta")
+        for key, t in flat.items()
+    }
 
 
 def _refuse_if_served(address: str) -> None:

@@ -14,12 +14,18 @@ one place that writes them:
 * CUDA weights have a CPU copy in the segment only while a worker reads the CPU
   segment (`mirrored`): every write then makes it, and a joining worker gets one made
   for the current slot first (`fill_mirror`).
+* A write may come in parts (`begin`, `copy` as often as needed, `finish`): tensors the
+  optimizer writes are copied in the background while the rest is copied at once.
+* **Slots stay exact under partial publishes.** A version may change only some tensors
+  (`keys=`); the others keep their values. A slot about to be reused gets the named
+  tensors from the trainer and every other tensor that changed since the version it
+  last held from the latest slot (`stale`), so each slot holds one whole version.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -35,8 +41,14 @@ class Slots:
     """The segment's slots (and their CUDA twins): views, writes, the latest version."""
 
     def __init__(
-        self, layout: Layout, segment: CpuSegment, cuda: Sequence[SharedBuffer] = ()
+        self,
+        layout: Layout,
+        segment: CpuSegment,
+        cuda: Sequence[SharedBuffer] = (),
+        *,
+        cast: bool = False,
     ) -> None:
+        """`cast`: what is written has other dtypes than the slots hold (torch casts)."""
         self.layout = layout
         self.count = segment.slots
         self.header = segment.header  # the seqlock and the latest version
@@ -57,10 +69,16 @@ class Slots:
         self.mirrored = [False] * self.count
         gpu_views = self._cuda_views[0].values() if self._cuda_views else ()
         self._streams = sorted({v.device for v in gpu_views if v.is_cuda}, key=str)
+        self._cast = cast
         self._plans: list[WritePlan] = [
-            write_plan(self._views[s], self._cuda_views[s] if self._cuda_views else None)
+            write_plan(self._views[s], self._cuda_views[s] if self._cuda_views else None, cast=cast)
             for s in range(self.count)
         ]
+        self._subset_plans: dict[tuple[int, frozenset[Key]], WritePlan] = {}
+        self.keys = tuple(self._views[0]) if self._views else ()
+        self._changed_at = dict.fromkeys(self.keys, -1)  # the version a tensor last changed in
+        self._holds = [-1] * self.count  # the version each slot holds (-1: none yet)
+        self._latest_slot = -1
 
     @property
     def cuda(self) -> bool:
@@ -83,24 +101,84 @@ class Slots:
     def writing(self, slot: int, version: int) -> Iterator[Mapping[Key, torch.Tensor]]:
         """Write `slot` inside the block (it yields the slot's CPU views); on leaving it,
         mark the slot as holding `version` and name it the latest (see the module doc)."""
-        header = self.header
-        header.begin_write(slot)
+        self.begin(slot)
         yield self._views[slot]
-        for device in self._streams:  # the bytes are in place before the header says so
-            torch.cuda.current_stream(device).synchronize()
-        header.end_write(slot, version)
-        header.set_latest(version, slot)
+        self.finish(slot, version, self.keys)
 
     def write(
         self, slot: int, version: int, flat: Mapping[Key, torch.Tensor], *, mirror: bool
     ) -> None:
         """Write `flat` (checked against the layout) into `slot` as `version`; `mirror`:
         CUDA tensors to the CPU segment too (a worker reads it)."""
-        plan = self._plans[slot]
-        with self.writing(slot, version):
-            plan.run(flat, mirror=mirror)
-        if plan.gpu:
+        self.begin(slot)
+        self.copy(slot, flat, mirror=mirror)
+        self.finish(slot, version, self.keys, mirror=mirror)
+
+    # --- a write in parts -------------------------------------------------------------
+
+    def begin(self, slot: int) -> None:
+        """Mark `slot` as being written (odd counter) before its first byte lands."""
+        self.header.begin_write(slot)
+
+    def copy(
+        self,
+        slot: int,
+        flat: Mapping[Key, torch.Tensor],
+        keys: frozenset[Key] | None = None,
+        *,
+        mirror: bool,
+    ) -> None:
+        """Copy `flat`'s tensors (only `keys`, if given) into `slot` (after `begin`)."""
+        if keys is not None and not keys:
+            return
+        plan = self._plans[slot] if keys is None else self._subset(slot, keys)
+        plan.run(flat, mirror=mirror)
+
+    def stale(self, slot: int, named: frozenset[Key]) -> frozenset[Key]:
+        """Tensors not in `named` that `slot` holds older values of than the latest."""
+        held = self._holds[slot]
+        return frozenset(k for k, v in self._changed_at.items() if k not in named and v > held)
+
+    def refresh(self, slot: int, keys: frozenset[Key]) -> None:
+        """Copy `keys` into `slot` from the latest slot (they did not change since)."""
+        if not keys:
+            return
+        source = self._latest_slot
+        with torch.no_grad():
+            for key in keys:
+                self._views[slot][key].copy_(self._views[source][key])
+                if self._cuda_views and key in self._cuda_views[slot]:
+                    self._cuda_views[slot][key].copy_(self._cuda_views[source][key])
+
+    def finish(
+        self, slot: int, version: int, changed: Iterable[Key], *, mirror: bool = False
+    ) -> None:
+        """End a write: the bytes are in place (GPU work included), `slot` holds
+        `version`, which is the latest; `changed`: the tensors it changed."""
+        changed = frozenset(changed)
+        if self._cuda_views and mirror and len(changed) < len(self.keys):
+            self._mirror_all(slot)  # a partial write: every tensor's CPU copy, not just its
+        for device in self._streams:  # the bytes are in place before the header says so
+            torch.cuda.current_stream(device).synchronize()
+        self.header.end_write(slot, version)
+        self.header.set_latest(version, slot)
+        for key in changed:
+            self._changed_at[key] = version
+        self._holds[slot], self._latest_slot = version, slot
+        if self._cuda_views:
             self.mirrored[slot] = mirror
+
+    def _subset(self, slot: int, keys: frozenset[Key]) -> WritePlan:
+        plan = self._subset_plans.get((slot, keys))
+        if plan is None:
+            if len(self._subset_plans) > 64:  # the few subsets a trainer uses, not all
+                self._subset_plans.clear()
+            views = {k: v for k, v in self._views[slot].items() if k in keys}
+            gpu = self._cuda_views[slot] if self._cuda_views else {}
+            gpu_views = {k: v for k, v in gpu.items() if k in keys} or None
+            plan = write_plan(views, gpu_views, cast=self._cast)
+            self._subset_plans[(slot, keys)] = plan
+        return plan
 
     def open(self, slot: int) -> torch.Tensor:
         """`slot`'s flat bytes, marked as being written from now on.
@@ -120,8 +198,11 @@ class Slots:
         """
         if not self._cuda_views or self.mirrored[slot]:
             return
+        self._mirror_all(slot)
+        self.mirrored[slot] = True
+
+    def _mirror_all(self, slot: int) -> None:
         views = self._views[slot]
         with torch.no_grad():
             for key, view in self._cuda_views[slot].items():
                 views[key].copy_(view)
-        self.mirrored[slot] = True

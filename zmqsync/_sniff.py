@@ -126,7 +126,8 @@ def write_record(stream: IO[bytes], record: Record) -> None:
 def to_json(record: Record) -> dict[str, Any]:
     """Stable JSON fields: ts, dir, type, peer, then the message's own fields.
 
-    WELCOME/STATE manifests become a tensor count; buffer handles are never shown.
+    WELCOME/STATE manifests become a tensor count; buffer handles are never shown; a
+    tap record's frame becomes its length, and any other bytes field hex.
     """
     out: dict[str, Any] = {
         "ts": record.ts,
@@ -144,6 +145,9 @@ def to_json(record: Record) -> dict[str, Any]:
         buf.pop("handle", None)
     if "frame" in fields:
         fields["frame"] = len(fields["frame"])
+    for key, value in fields.items():  # any other bytes field: hex, so the line stays JSON
+        if isinstance(value, bytes):
+            fields[key] = value.hex()
     out.update(fields)
     return out
 

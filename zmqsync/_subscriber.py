@@ -178,6 +178,8 @@ class Subscriber:
         self._attachment: CpuAttachment | None = None
         self._gpus: list[CudaAttachment] = []
         self._views: list[dict[Key, torch.Tensor]] = []
+        self._manifest_keys: tuple[Key, ...] = ()  # in manifest order (RECEIVE.changed)
+        self._changed_keys: dict[bytes, frozenset[Key]] = {}
         self._sync_devices: tuple[torch.device, ...] = ()  # GPUs the apply reads or writes
         self._transport = Decision("", "")
         self._agent: _Agent | None = None
@@ -458,7 +460,16 @@ class Subscriber:
                     version, slot = latest
                     continue
                 if self.mode == "copy":
-                    target.copy_from(views[slot])
+                    # the version right after ours, as RECEIVE described it: only what changed
+                    keys = (
+                        self._changed(offer.changed)
+                        if offer.changed
+                        and version == offer.version
+                        and version == self._version + 1
+                        and offer.bus == self._version_bus_id
+                        else None
+                    )
+                    target.copy_from(views[slot], keys)
                     if self._sync_devices:  # GPU copies have read the slot
                         _synchronize(self._sync_devices)
                     if not header.read_valid(slot, counter):
@@ -476,6 +487,17 @@ class Subscriber:
                     self._on_update(version)
                 return version
         raise ZmqSyncError(f"could not read a whole version after {_APPLY_ATTEMPTS} attempts")
+
+    def _changed(self, bits: bytes) -> frozenset[Key]:
+        """RECEIVE's bitmap as tensor keys (bit i: manifest entry i), decoded once."""
+        keys = self._changed_keys.get(bits)
+        if keys is None:
+            mask, order = int.from_bytes(bits, "little"), self._manifest_keys
+            keys = frozenset(order[i] for i in range(len(order)) if mask >> i & 1)
+            if len(self._changed_keys) > 64:
+                self._changed_keys.clear()
+            self._changed_keys[bits] = keys
+        return keys
 
     def _prefers(self) -> str:
         """Where this worker computes: "cuda", "cpu", or "any" (no model, no device)."""
@@ -585,6 +607,8 @@ class Subscriber:
             old, self._attachment = self._attachment, attachment
             old_gpus, self._gpus = self._gpus, list(gpus.values())
             self._views, self._target, self._bus_id = views, target, welcome.bus
+            self._manifest_keys = tuple(spec.key for spec in welcome.manifest)
+            self._changed_keys.clear()
             self._sync_devices = tuple(sorted(devices, key=str))
             self._transport = decision
         if old is not None:
