@@ -32,7 +32,7 @@ import secrets
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -49,6 +49,7 @@ from ._layout import (
     Key,
     Layout,
     ModuleReader,
+    _is_tensordict,
     flatten,
 )
 from ._overlap import Pending, StepGuard, Writer
@@ -227,6 +228,11 @@ class Publisher:
         dtype: the dtype the slots hold floating-point tensors in (e.g. torch.bfloat16
             for a float32 trainer: half the bytes written, mapped and copied); the
             trainer's tensors are cast on the way. None: as they are.
+        live: move the trainer's tensors into the shared segment (one slot): their
+            storage becomes a view of it, alias-mode workers see every in-place change
+            at once, and a publish only announces a version (no copy, at any size).
+            Versions are then not atomic (see docs/guide.md). CPU tensors only; not
+            with `dtype` or `optimizer`. On close the trainer gets private copies back.
     """
 
     def __init__(
@@ -248,8 +254,13 @@ class Publisher:
         handshake_rate: float = 200.0,
         optimizer: torch.optim.Optimizer | Iterable[torch.optim.Optimizer] | None = None,
         dtype: torch.dtype | None = None,
+        live: bool = False,
     ) -> None:
         self.name = _config.check_name(name)
+        if live and (dtype is not None or optimizer is not None):
+            raise ValueError("live=True shares the trainer's tensors: no dtype= or optimizer=")
+        self._live = live
+        self._moved: list[tuple[torch.Tensor, int]] = []  # live: (trainer tensor, its view)
         if not 1 <= slots <= 64:
             raise ValueError(f"slots must be between 1 and 64, not {slots}")
         if on_timeout not in ("raise", "evict"):
@@ -269,6 +280,8 @@ class Publisher:
                 "to one of those"
             )
         cuda = sorted(self._devices - {"cpu"}, key=lambda d: int(d.split(":")[1]))
+        if live and cuda:
+            raise NotImplementedError("live=True shares CPU tensors; these are on a GPU")
         if len(cuda) > 15:
             raise ValueError(f"weights on {len(cuda)} GPUs: at most 15 per bus")
         index = {device: i + 1 for i, device in enumerate(cuda)}
@@ -290,7 +303,7 @@ class Publisher:
         self._writer: Writer | None = None
         self._pending: tuple[int, Pending] | None = None  # (version, its background copy)
         self._address_arg = address
-        self._slot_count = slots
+        self._slot_count = 1 if live else slots  # live: the trainer's tensors are slot 0
         self._timeout = timeout
         self._on_timeout = on_timeout
         self._heartbeat = heartbeat
@@ -312,7 +325,7 @@ class Publisher:
         self._role = PublisherRole(
             name=self.name,
             bus_id=self.bus_id,
-            slots=slots,
+            slots=self._slot_count,
             heartbeat=heartbeat,
             slot_bytes=self._layout.slot_bytes,
             manifest=self._layout.specs,
@@ -385,6 +398,9 @@ class Publisher:
             cast = self._layout is not self._source_layout
             slots = self._slots = Slots(self._layout, segment, cuda, cast=cast)
             slots.write(0, 0, flatten(self._source), mirror=False)
+            if self._live:
+                self._moved = _move_into(self._source, slots.views(0))
+                stack.callback(self._move_out)
             self._registry.record(0, 0)
             self._role.cuda = slots.cuda
             self._shared.buffers = slots.describe()
@@ -532,7 +548,10 @@ class Publisher:
         started = time.perf_counter()
         deadline = Deadline(self._timeout if timeout is DEFAULT else timeout)
         named = self._named(keys)
-        flat = self._read(weights, named) if fill is None else {}
+        if self._live and (fill is not None or slot is not None):
+            raise ValueError("a live publisher's slot holds the trainer's tensors: no fill=")
+        reads = fill is None and not (self._live and weights is None)
+        flat = self._read(weights, named) if reads else {}
         if slot is not None and fill is None:
             raise ValueError("slot= needs fill=: the slot's bytes are yours to write")
         with self._publish_lock:
@@ -542,7 +561,10 @@ class Publisher:
                 version = latest + 1
             elif version <= latest:
                 raise ValueError(f"version {version} is not greater than the last ({latest})")
-            slot = self._claim_slot(deadline) if slot is None else self._reserved(slot)
+            if self._live:
+                slot = 0
+            else:
+                slot = self._claim_slot(deadline) if slot is None else self._reserved(slot)
             with self._cond:
                 targets = tuple(self._registry.members) if workers is None else tuple(workers)
             pending = None
@@ -644,7 +666,11 @@ class Publisher:
         the others the slot holds old values of), or whatever `fill` lands."""
         slots = self._slots
         assert slots is not None
-        if fill is not None:
+        if self._live:  # the trainer's tensors are the slot: copy only what was given
+            slots.begin(slot)
+            _copy_unless_same(flat, slots.views(slot))
+            slots.finish(slot, version, slots.keys if named is None else named)
+        elif fill is not None:
             with slots.writing(slot, version):
                 fill(slots.flat(slot))
         elif named is None:
@@ -655,6 +681,14 @@ class Publisher:
             slots.copy(slot, flat, named, mirror=mirror)
             slots.refresh(slot, slots.stale(slot, named))
             slots.finish(slot, version, named, mirror=mirror)
+
+    def _move_out(self) -> None:
+        """Live: give the trainer's tensors private copies before the segment goes."""
+        moved, self._moved = self._moved, []
+        with torch.no_grad():
+            for tensor, view_ptr in moved:
+                if tensor.data_ptr() == view_ptr:  # not replaced by the trainer since
+                    tensor.data = tensor.data.clone()
 
     def _write_overlapped(
         self, slot: int, version: int, flat: dict[Key, torch.Tensor], named: frozenset[Key] | None
@@ -873,6 +907,37 @@ def _cast(flat: dict[Key, torch.Tensor], dtype: torch.dtype) -> dict[Key, torch.
         key: torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device="meta")
         for key, t in flat.items()
     }
+
+
+def _trainer_tensors(weights: Any) -> dict[Key, torch.Tensor]:
+    """The trainer's own tensor objects (not detached copies), keyed as `flatten` does."""
+    if isinstance(weights, torch.nn.Module):
+        return flatten(weights, detach=False)
+    keys = list(flatten(weights))  # checks the kinds and gives the keys, in order
+    if _is_tensordict(weights):
+        leaves = weights.values(include_nested=True, leaves_only=True)
+        return dict(zip(keys, leaves, strict=True))
+    return dict(zip(keys, weights.values(), strict=True))
+
+
+def _move_into(weights: Any, views: Mapping[Key, torch.Tensor]) -> list[tuple[torch.Tensor, int]]:
+    """Live: each trainer tensor's storage becomes its view in the slot (which holds its
+    values already); a Parameter stays the same object, so optimizers keep working."""
+    moved = []
+    with torch.no_grad():
+        for key, tensor in _trainer_tensors(weights).items():
+            view = views[key]
+            tensor.data = view
+            moved.append((tensor, view.data_ptr()))
+    return moved
+
+
+def _copy_unless_same(flat: Mapping[Key, torch.Tensor], views: Mapping[Key, torch.Tensor]) -> None:
+    with torch.no_grad():
+        for key, tensor in flat.items():
+            view = views[key]
+            if tensor.data_ptr() != view.data_ptr():
+                view.copy_(tensor)
 
 
 def _refuse_if_served(address: str) -> None:
