@@ -16,6 +16,7 @@ close the publish's round trip, the second number: on 2 cores four workers hashi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -238,9 +239,12 @@ def run_demo(
                         task, advance=1, last=f"v{handle.version} {handle.seconds * 1e3:.1f} ms"
                     )
             last = pub.version
-        except BaseException:
+        except BaseException:  # Ctrl-C, SIGTERM (cli.py raises it too), a failure
             for p in procs:
                 p.proc.kill()
+            for p in procs:  # reaped here: no worker outlives the demo, not even a zombie
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    p.proc.wait(5)
             raise
     for i, p in enumerate(procs):  # the publisher's STOP ends every worker
         p.finish(timeout)

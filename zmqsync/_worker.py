@@ -184,13 +184,16 @@ class _Watch:
     def tick(self) -> None:
         sub = self.sub
         connected = sub.connected
-        if connected != self.connected:
-            self.connected = connected
-            if connected:
-                self._rejoined()
-            else:
-                self._lost()
-        self.shown = self._show_versions()
+        if connected == self.connected:
+            self.shown = self._show_versions()
+        elif connected:  # nothing is applied while lost: the versions came after the rejoin
+            self.connected = True
+            self._rejoined()
+            self.shown = self._show_versions()
+        else:  # the versions since the last look came before the loss
+            self.connected = False
+            self.shown = self._show_versions()
+            self._lost()
 
     def _lost(self) -> None:
         sub = self.sub
