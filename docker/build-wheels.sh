@@ -24,9 +24,18 @@ rm -rf "$here/dist"
 mkdir -p "$here/dist" "$here/wheelhouse"
 # a fixed timestamp makes the wheel byte-identical while the source is: docker's layer
 # cache then skips the install step too
+# The host's setuptools builds the wheel (no index needed) when it can: 68 or newer, as
+# pyproject.toml asks, with bdist_wheel (built in from 70.1, before that from the `wheel`
+# package). Otherwise pip builds in an isolated environment with setuptools from the index
+# (a system python3 often has an older setuptools and no `wheel`).
 isolation=()
-if "$PYTHON" -c "import setuptools" 2>/dev/null; then
-    isolation=(--no-build-isolation) # build with the host's setuptools: no index needed
+if "$PYTHON" - <<'PY' 2>/dev/null; then
+import importlib.util, sys
+from importlib.metadata import version
+v = tuple(int(x) for x in version("setuptools").split(".")[:2])
+sys.exit(0 if v >= (70, 1) or (v >= (68, 0) and importlib.util.find_spec("wheel")) else 1)
+PY
+    isolation=(--no-build-isolation)
 fi
 # The wheel carries zmqsync's native copy loop, compiled for this interpreter: when the
 # image's Python ($PY_VERSION) is another one, a pure-Python wheel instead (it copies from
