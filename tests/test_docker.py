@@ -6,7 +6,9 @@ iptables: containers here get no network but loopback) when no engine answers, b
 base image from Debian's archive once (``docker/build-base.sh``; kept for later runs),
 puts zmqsync's wheel and its dependencies into the build context
 (``docker/build-wheels.sh``) and builds the image with ``--network none``. An engine it
-started is left running for the next run.
+started itself is stopped when the module's tests are done (unless containers it did not
+make are running on it); one that was already running is left alone. The packages stay
+installed and the base image stays built, for the next run.
 
 Each test brings a compose project up under a unique name, checks what the containers
 did from their JSON logs, and always takes the project down (``down -v``, then removes
@@ -21,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -148,7 +151,8 @@ def _install_packages() -> None:
         )
 
 
-def _engine() -> Docker:
+def _engine() -> tuple[Docker, int | None]:
+    """The engine's command lines, and the pid of a ``dockerd`` started here (else None)."""
     if not sys.platform.startswith("linux"):
         pytest.skip("Docker containers sharing /dev/shm need a Linux host")
     if os.geteuid() != 0 and not (
@@ -161,23 +165,26 @@ def _engine() -> Docker:
     # than its API or want buildx)
     cli = "/usr/bin/docker" if os.access("/usr/bin/docker", os.X_OK) else shutil.which("docker")
     assert cli, "no docker command"
+    started: int | None = None
     if run([cli, "info"], timeout=30, check=False).returncode != 0:
         dockerd = _which("dockerd")
         assert dockerd, "dockerd is missing although docker.io is installed"
-        # detached (setsid, all output to a file): it outlives this test, for the next run
-        subprocess.run(
+        # detached (setsid, all output to a file), so that pytest's output capture and
+        # its process group do not hold it; _stop_dockerd ends it after the tests
+        launched = subprocess.run(
             [
                 "sh",
                 "-c",
-                f'setsid "$0" --bridge=none --iptables=false >{DOCKERD_LOG} 2>&1 &',
+                f'setsid "$0" --bridge=none --iptables=false >{DOCKERD_LOG} 2>&1 & echo $!',
                 dockerd,
             ],
             timeout=10,
             check=True,
             stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
         )
+        started = int(launched.stdout.split()[-1])
 
         def answers() -> bool:
             return run([cli, "info"], timeout=30, check=False).returncode == 0
@@ -192,15 +199,56 @@ def _engine() -> Docker:
     elif run([cli, "compose", "version"], timeout=30, check=False).returncode == 0:
         compose = [cli, "compose"]
     else:
+        if started is not None:
+            _stop_dockerd(Docker(cli, []), started)
         pytest.skip("no docker-compose and no `docker compose` plugin")
-    return Docker(cli, compose)
+    return Docker(cli, compose), started
+
+
+def _alive(pid: int) -> bool:
+    """`pid` runs and is not a zombie (a dockerd started here is not our child)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _stop_dockerd(d: Docker, pid: int) -> None:
+    """End the engine this module started: SIGTERM, then SIGKILL after 60 s.
+
+    Containers of someone else (another test run that found the engine answering) keep
+    it running: they would be killed with it.
+    """
+    with open(f"/proc/{pid}/comm") as f:
+        assert f.read().strip() == "dockerd", f"pid {pid} is no longer our dockerd"
+    others = d("ps", "-q", timeout=30, check=False).split()
+    if others:
+        print(f"dockerd (pid {pid}) left running: containers {others} still use it")
+        return
+    os.kill(pid, signal.SIGTERM)
+    try:
+        wait_until(lambda: not _alive(pid), 60, "dockerd to exit", poll=0.2)
+    except AssertionError:
+        os.kill(pid, signal.SIGKILL)
+        wait_until(lambda: not _alive(pid), 10, "dockerd to die", poll=0.2)
+    print(f"dockerd (pid {pid}), started for these tests, stopped")
 
 
 @pytest.fixture(scope="module")
 def docker() -> Iterator[Docker]:
     """A Docker engine that answers, and the image `IMAGE` built from this checkout."""
     started = time.monotonic()
-    d = _engine()
+    d, dockerd = _engine()
+    try:
+        yield from _images(d, started)
+    finally:
+        if dockerd is not None:
+            _stop_dockerd(d, dockerd)
+
+
+def _images(d: Docker, started: float) -> Iterator[Docker]:
+    """Build the base image (once) and the image of this checkout; yield `d`."""
     engine_s = time.monotonic() - started
     base = BASE_IMAGE
     if run([d.cli, "image", "inspect", base], timeout=30, check=False).returncode != 0:
@@ -213,11 +261,9 @@ def docker() -> Iterator[Docker]:
         else:  # a normal machine with a registry
             base = "python:3.11-slim"
     base_s = time.monotonic() - started - engine_s
-    run(
-        [str(DOCKER_DIR / "build-wheels.sh")],
-        timeout=420,
-        env={**os.environ, "PYTHON": sys.executable},
-    )
+    # as docs/docker.md runs it: the python3 on PATH, not this test's interpreter
+    env = {k: v for k, v in os.environ.items() if k != "PYTHON"}
+    run([str(DOCKER_DIR / "build-wheels.sh")], timeout=420, env=env)
     wheels_s = time.monotonic() - started - engine_s - base_s
     d(
         "build",
@@ -240,6 +286,28 @@ def docker() -> Iterator[Docker]:
         f"wheels {wheels_s:.1f} s, image build {build_s:.1f} s"
     )
     yield d
+
+
+def test_build_wheels_with_the_python3_on_path(tmp_path: Path) -> None:
+    """docker/build-wheels.sh as docs/docker.md runs it, with whatever python3 the host
+    has (a system one often has setuptools older than 70.1 and no `wheel`); no Docker
+    needed. Run on a copy of the sources, so that docker/dist is left alone."""
+    python3 = shutil.which("python3")
+    if (
+        python3 is None
+        or run([python3, "-m", "pip", "--version"], timeout=60, check=False).returncode
+    ):
+        pytest.skip("no python3 with pip on PATH")
+    for name in ("pyproject.toml", "setup.py", "README.md"):
+        shutil.copy(ROOT / name, tmp_path / name)
+    ignore = shutil.ignore_patterns("__pycache__", "*.so", "*.pyc")
+    shutil.copytree(ROOT / "zmqsync", tmp_path / "zmqsync", ignore=ignore)
+    (tmp_path / "docker").mkdir()
+    shutil.copy(DOCKER_DIR / "build-wheels.sh", tmp_path / "docker" / "build-wheels.sh")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHON"}
+    done = run([str(tmp_path / "docker" / "build-wheels.sh"), "--no-deps"], timeout=300, env=env)
+    (wheel,) = (tmp_path / "docker" / "dist").glob("zmqsync-*.whl")
+    assert done.stdout.strip() == f"build-wheels: {wheel}"
 
 
 # --- a compose project ----------------------------------------------------------------
