@@ -246,3 +246,47 @@ def test_close_with_a_version_still_being_written_announces_it_first(name):
     # the hooks are gone with the publisher: a step no longer waits for anything
     model.weight.grad = torch.ones_like(model.weight)
     opt.step()
+
+
+class _FillStep(torch.optim.Optimizer):
+    """An optimizer whose step() sets every parameter to the next version's number: a
+    reader can tell from any element which version it belongs to."""
+
+    def __init__(self, params) -> None:
+        super().__init__(params, {})
+        self.count = 0
+
+    @torch.no_grad()
+    def step(self, closure=None) -> None:  # type: ignore[override]
+        self.count += 1
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.fill_(self.count % 100)
+
+
+@pytest.mark.timeout(240)
+def test_alias_readers_never_see_a_torn_version_with_overlapped_publishes(spawn, name):
+    model = torch.nn.ParameterDict(
+        {
+            "a": torch.nn.Parameter(torch.zeros(512, 512)),
+            "b": torch.nn.Parameter(torch.zeros(1000, dtype=torch.bfloat16)),
+        }
+    )
+    opt = _FillStep(model.parameters())
+    with zmqsync.Publisher(model, name=name, optimizer=opt, timeout=30) as pub:
+        readers = [
+            spawn("tests/helpers/torn_worker.py", name, "alias", module="") for _ in range(2)
+        ]
+        for r in readers:
+            r.wait_for(lambda rec: rec["event"] == "ready", timeout=START_S)
+        assert pub.wait_for_workers(2, timeout=START_S)
+        end = time.monotonic() + 4.0
+        while time.monotonic() < end:
+            opt.step()  # waits for the copy of the version before
+            last = pub.publish(wait=False)
+        last.wait(30)
+    for r in readers:
+        assert r.finish(60) == 0, r.stderr[-2000:]
+        s = r.summary()
+        assert s["bad"] == 0 and s["torn"] == 0, f"a reader saw a mix of two versions: {s}"
+        assert s["reads"] > 100 and s["versions"] > 5, s
