@@ -72,6 +72,7 @@ class Host:
 
     def __init__(self, hostname: str, *, shm_mb: int = 1024, etc_hosts: str | None = None) -> None:
         self.hostname = hostname
+        self._shells: list[Shell] = []
         hosts = f"mount --bind {etc_hosts} /etc/hosts && " if etc_hosts else ""
         script = (
             f"hostname {hostname} && {hosts}"
@@ -136,10 +137,12 @@ class Host:
         return Path(f"/proc/{self.pid}/root/dev/shm")
 
     def processes(self) -> list[int]:
-        """Pids of the processes in this host's network namespace, the holder excluded."""
+        """Pids of the processes in this host's network namespace, the holder and the
+        shells of `shell()` excluded."""
+        own = {self.pid} | {shell.proc.pid for shell in self._shells}
         found = []
         for entry in os.listdir("/proc"):
-            if not entry.isdigit() or int(entry) == self.pid:
+            if not entry.isdigit() or int(entry) in own:
                 continue
             try:
                 if os.readlink(f"/proc/{entry}/ns/net") == self.netns:
@@ -164,6 +167,8 @@ class Host:
         Only while the holder lives: it pins the namespace, so no other namespace can
         have its inode. A pidfd pins each process while its namespace is checked again.
         """
+        for shell in self._shells:
+            shell.close()
         if self.holder.poll() is not None:
             return []
         killed = []
@@ -182,12 +187,60 @@ class Host:
                 os.close(fd)
         return killed
 
+    def shell(self) -> Shell:
+        """A shell kept running in this host: its commands start without nsenter's cost.
+        Not one of `processes()`; `kill_all()` and `close()` end it."""
+        shell = Shell(self)
+        self._shells.append(shell)
+        return shell
+
     def close(self) -> None:
         """End the holder: the namespaces go with the last process in them. Idempotent."""
+        for shell in self._shells:
+            shell.close()
         if self.holder.poll() is None:
             self.holder.kill()
         self.holder.wait(STEP_S)
         for pipe in (self.holder.stdin, self.holder.stdout, self.holder.stderr):
+            if pipe is not None:
+                pipe.close()
+
+
+class Shell:
+    """One ``sh`` inside a host, reading commands from a pipe: a command runs as soon as
+    it is written (a fork of the shell), where `Host.sh` first starts nsenter, setpriv
+    and a shell, which can take a few hundred milliseconds on a loaded machine."""
+
+    def __init__(self, host: Host) -> None:
+        self.host = host
+        self.proc = subprocess.Popen(
+            [*host.prefix(), "sh"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+
+    def run(self, command: str, *, timeout: float = STEP_S) -> None:
+        """Run `command`; return once it succeeded.
+
+        Raises:
+            RuntimeError: it failed, or did not finish within `timeout`.
+        """
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(f"if {command}; then echo ok; else echo failed; fi\n")
+        self.proc.stdin.flush()
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        answer = self.proc.stdout.readline().strip() if ready else "no answer"
+        if answer != "ok":
+            raise RuntimeError(f"{self.host.hostname}: {command!r}: {answer}")
+
+    def close(self) -> None:
+        """End the shell. Idempotent."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(STEP_S)
+        for pipe in (self.proc.stdin, self.proc.stdout):
             if pipe is not None:
                 pipe.close()
 
@@ -209,6 +262,7 @@ class Cluster:
         with open(self.etc_hosts, "w") as f:  # every host resolves every host's name
             f.write("127.0.0.1 localhost\n")
             f.writelines(f"{address} {name}\n" for name, address in self.addresses.items())
+        self._shell: Shell | None = None
         try:
             self.root = self._add("hostr", shm_mb)
             self.root.sh(
@@ -249,8 +303,13 @@ class Cluster:
         return [h for name, h in self.hosts.items() if name != "hostr"]
 
     def link(self, hostname: str, up: bool) -> None:
-        """Take the link of relay host `hostname` down (its port on the root host) or up."""
-        self.root.sh(f"ip link set {hostname} {'up' if up else 'down'}")
+        """Take the link of relay host `hostname` down (its port on the root host) or up.
+
+        Through a shell kept in the root host, so the link changes within milliseconds
+        of the call (a test that cuts a transfer midway needs that)."""
+        if self._shell is None:
+            self._shell = self.root.shell()
+        self._shell.run(f"ip link set {hostname} {'up' if up else 'down'}")
 
     def shape(self, hostname: str, mbit: float | None) -> None:
         """Limit what the root host sends to `hostname` to `mbit` Mbit/s (None: no limit)."""

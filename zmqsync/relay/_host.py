@@ -7,7 +7,10 @@ Three threads, each with what it alone touches:
   slot of the local bus, posted ahead; see `Wire`), publishes them under the root's
   number, reports "received" on its data DEALER and posts the next receives;
 * the **wait thread** (`Relay._wait_loop`) waits for the local workers' acks of each
-  version and reports "acked" on a DEALER of its own.
+  version and reports "acked" on a DEALER of its own; every `_SWEEP_S` it also removes
+  the segments nobody maps from the host's shm dir (the bus of a relay that was killed
+  is still mapped by its workers when its successor opens a bus, so the start's own
+  collection cannot remove it; once they moved to the new bus, this sweep does).
 
 What the bus holds (`Holding`) is shared: the data and wait threads change it under the
 relay's lock, the agent reads it for its heartbeats.
@@ -22,6 +25,7 @@ import os
 import queue
 import socket
 import threading
+import time
 import warnings
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -34,6 +38,7 @@ import zmq
 from .. import _config, _lifecycle
 from .._deadline import Deadline
 from .._errors import ClosedError, ProtocolError, PublishTimeout, ZmqSyncError
+from .._gc import collect_garbage
 from .._protocol import TensorSpec
 from .._publisher import Publish, Publisher
 from .._sockets import NOBLOCK
@@ -57,6 +62,7 @@ __all__ = ["Relay"]
 log = logging.getLogger(__name__)
 
 _INBOX_POLL_S = 0.01  # the data thread: agent messages wait at most this long
+_SWEEP_S = 5.0  # the wait thread removes segments nobody maps this often
 
 
 def _written(slot: torch.Tensor) -> None:
@@ -291,6 +297,7 @@ class Relay:
             local.close()  # STOP to the local workers; a pending wait ends with ClosedError
         self._waits.put(None)
         self._threads[1].join(_config.THREAD_JOIN_S)
+        self._sweep()
         if any(thread.is_alive() for thread in self._threads):
             log.warning("relay %s: a thread did not stop within its deadline", self.relay_id)
         elif self._data_ctx is not None:  # their DEALERs are closed
@@ -644,8 +651,25 @@ class Relay:
         finally:
             link.close()
 
+    def _sweep(self) -> None:
+        """Remove the segments nobody maps from this host's shm dir (see the module doc)."""
+        try:
+            collect_garbage(_config.shm_dir(self._shm_dir))
+        except OSError as exc:
+            log.warning("relay %s: could not sweep the shm dir: %s", self.relay_id, exc)
+
     def _report_acks(self, link: DataLink) -> None:
-        while (item := self._waits.get()) is not None:
+        sweep_at = time.monotonic() + _SWEEP_S
+        while True:
+            if time.monotonic() >= sweep_at:
+                self._sweep()
+                sweep_at = time.monotonic() + _SWEEP_S
+            try:
+                item = self._waits.get(timeout=max(0.0, sweep_at - time.monotonic()))
+            except queue.Empty:
+                continue
+            if item is None:
+                return
             handle, bus, version = item
             try:
                 handle.wait()
