@@ -31,16 +31,26 @@ It hooks in where torchrl's ``SharedMemWeightSyncScheme`` does:
 * **Failure** is the bus's: a dead worker is dropped after ~6 missed heartbeats, so
   ``update_policy_weights_()`` never hangs on it; a worker that joins late gets the
   current version at once.
+* **Live or atomic.** torchrl's schemes share a CPU policy's tensors with the workers:
+  an in-place change of the trainer's weights reaches them before
+  ``update_policy_weights_()``. This scheme does the same where torchrl would (the
+  collector's own CPU policy, or a ``params_map`` the caller put in shared memory): a
+  live bus (``Publisher(live=True)``), alias workers, a publish that only notifies.
+  Elsewhere, and with ``live=False``, versions are atomic copies.
+* **Per-worker weights** (``per_worker_weights=True``, distinct policy factories, or a
+  ``params_map`` of distinct TensorDicts): one bus per worker, ``<name>-<i>``.
+* **Lifetime.** torchrl never shuts a scheme down: a scheme dropped with its collector
+  closes its buses when it is garbage-collected (reference cycles included).
 """
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
 import re
 import secrets
 import threading
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -82,6 +92,7 @@ class ZmqWeightSyncScheme(WeightSyncScheme):  # type: ignore[misc]
         address: control address; None: ``ipc://<runtime dir>/<name>.sock``.
         mode: receivers' apply mode, "copy" (the policy keeps its tensors) or "alias"
             (its parameters become read-only views into the shared buffer; CPU only).
+            None: "alias" on a live bus, else "copy".
         apply: "background" (a thread applies each version on arrival, as torchrl's
             schemes do) or "manual" (a worker applies the newest version at the start of
             its next rollout, or when ``collector.receive_weights()`` is called, so a
@@ -105,6 +116,15 @@ class ZmqWeightSyncScheme(WeightSyncScheme):  # type: ignore[misc]
         shm_dir: tmpfs directory of the shared buffer (default ``$ZMQSYNC_SHM_DIR`` or
             /dev/shm); the sender's choice is handed to torchrl's workers.
         strategy: torchrl's weight format for ``apply_weights``; kept for compatibility.
+        live: True: the trainer's tensors move into the bus's segment and the workers
+            alias them, as torchrl's schemes share a CPU policy (versions are not atomic:
+            see the zmqsync guide); False: atomic versions, copied at each publish. None:
+            live where torchrl's semantics require it: the collector's own CPU policy,
+            or a ``params_map`` already in shared memory, unless ``mode="copy"`` or
+            ``apply="manual"`` asks for copies.
+        per_worker_weights: each torchrl worker gets weights of its own (one bus per
+            worker); set by itself for distinct policy factories or a ``params_map`` of
+            distinct TensorDicts. ``send({i: weights_i})`` updates worker ``i``.
     """
 
     def __init__(
@@ -112,7 +132,7 @@ class ZmqWeightSyncScheme(WeightSyncScheme):  # type: ignore[misc]
         name: str | None = None,
         address: str | None = None,
         *,
-        mode: str = "copy",
+        mode: str | None = None,
         apply: str = "background",
         sync: bool | None = None,
         slots: int = 2,
@@ -123,15 +143,22 @@ class ZmqWeightSyncScheme(WeightSyncScheme):  # type: ignore[misc]
         worker_id: str | None = None,
         shm_dir: str | None = None,
         strategy: str = "tensordict",
+        live: bool | None = None,
+        per_worker_weights: bool = False,
     ) -> None:
         self._sender: _Sender | None = None
+        self._worker_senders: dict[int, _Sender] = {}  # per-worker weights: bus per worker
+        self._worker_buses: dict[int, tuple[str, str]] = {}  # worker -> (name, address)
+        self._closers: list[weakref.finalize] = []  # close the buses when collected
+        self._receiver_closer: weakref.finalize | None = None
+        self._broadcast: Any = None  # per-worker weights: what send(None) publishes to all
         self._subscriber: Subscriber | None = None
         self._bound_model: Any = None
         self._hooked_context: Any = None
         self._version_lock = threading.Lock()
         self.last_publish: Publish | None = None
         super().__init__(strategy)
-        if mode not in ("copy", "alias"):
+        if mode not in (None, "copy", "alias"):
             raise ValueError(f'mode must be "copy" or "alias", not {mode!r}')
         if apply not in ("background", "manual"):
             raise ValueError(f'apply must be "background" or "manual", not {apply!r}')
@@ -141,9 +168,22 @@ class ZmqWeightSyncScheme(WeightSyncScheme):  # type: ignore[misc]
             raise ValueError(f"slots must be between 1 and 64, not {slots}")
         if attach and name is None and address is None:
             raise ValueError("attach=True needs the name (or address) of the bus to join")
+        if live and (mode == "copy" or apply == "manual"):
+            raise ValueError(
+                'live=True shares the trainer\'s tensors with alias workers: not with mode="copy" '
+                'or apply="manual"'
+            )
+        if per_worker_weights and address is not None:
+            raise ValueError(
+                "per_worker_weights=True names one bus per worker: give name=, not address="
+            )
         self._name = None if name is None else check_name(name)
         self._address = address
-        self._mode = mode
+        self._mode_arg = mode
+        self._mode = mode or "copy"  # resolved by the sender (live: "alias")
+        self._live_arg = live
+        self._live = bool(live)
+        self.per_worker_weights = per_worker_weights
         self._apply = apply
         self._sync = apply == "background" if sync is None else bool(sync)
         self._slots = slots
@@ -172,6 +212,16 @@ class ZmqWeightSyncScheme(WeightSyncScheme):  # type: ignore[misc]
         return self._sender.publisher if self._sender is not None else None
 
     @property
+    def publishers(self) -> dict[int, Publisher]:
+        """Per-worker weights: each torchrl worker's `zmqsync.Publisher`, by index."""
+        return {i: sender.publisher for i, sender in self._worker_senders.items()}
+
+    @property
+    def live(self) -> bool:
+        """Whether the bus is live (the trainer's tensors are the shared buffer)."""
+        return self._live
+
+    @property
     def subscriber(self) -> Subscriber | None:
         """A receiver's `zmqsync.Subscriber` (``.version``, ``.connected``), else None."""
         return self._subscriber
@@ -182,6 +232,8 @@ class ZmqWeightSyncScheme(WeightSyncScheme):  # type: ignore[misc]
         with. -1 before either side is set up."""
         if self._sender is not None:
             return self._sender.publisher.version
+        if self._worker_senders:
+            return max(sender.publisher.version for sender in self._worker_senders.values())
         if self._subscriber is not None:
             return self._subscriber.version
         return -1
@@ -193,8 +245,9 @@ class ZmqWeightSyncScheme(WeightSyncScheme):  # type: ignore[misc]
         self.shutdown()
 
     def __repr__(self) -> str:
-        side = "sender" if self._sender else "receiver" if self._subscriber else "idle"
-        options = f"{self._mode}/{self._apply}"
+        sending = self._sender or self._worker_senders
+        side = "sender" if sending else "receiver" if self._subscriber else "idle"
+        options = f"{self._mode}/{self._apply}{'/live' if self._live else ''}"
         return f"<ZmqWeightSyncScheme {self._name!r} {side} v{self.version} {options}>"
 
     # --- sender side -------------------------------------------------------------------
@@ -209,22 +262,17 @@ class ZmqWeightSyncScheme(WeightSyncScheme):  # type: ignore[misc]
         params_map: Any = None,
         **_ignored: Any,
     ) -> None:
-        """Start the bus over the model (version 0), before torchrl starts its workers.
+        """Start the bus (one per worker with per-worker weights) over the model, at
+        version 0, before torchrl starts its workers.
 
         ``devices``, ``num_workers`` and ``ctx`` are accepted and ignored: the buffer is
         on the CPU and each worker copies to its own device.
 
         Raises:
-            NotImplementedError: per-worker weights (``params_map``, distinct policy
-                factories) — a bus carries one set of weights.
-            ValueError: nothing to publish was given.
+            ValueError: nothing to publish was given, or ``params_map`` is not a
+                ``{worker_idx: TensorDict}`` alone.
         """
-        if params_map is not None:
-            raise NotImplementedError(
-                "ZmqWeightSyncScheme publishes one set of weights to every worker; "
-                "params_map (per-worker weights) is not supported"
-            )
-        if self._sender is not None:
+        if self._sender is not None or self._worker_senders:
             return
         self.model_id = model_id or "policy"
         if context is not None:
@@ -234,47 +282,94 @@ class ZmqWeightSyncScheme(WeightSyncScheme):  # type: ignore[misc]
             self._shm_dir = resolve_shm_dir(self._shm_dir)
             self._worker_id = self._worker_id or default_worker_id()
             return
-        source = self._source(context, model, weights)
-        name = self._name or _generated_name(self.model_id)
-        shm_dir = resolve_shm_dir(self._shm_dir)
-        self._sender = _Sender(
-            source,
-            Publisher(
-                _on_cpu(source),
-                self._address,
-                name=name,
-                slots=self._slots,
-                timeout=self._timeout,
-                on_timeout=self._on_timeout,
-                heartbeat=self._heartbeat,
-                shm_dir=shm_dir,
-            ),
-        )
-        self._name, self._address, self._shm_dir = name, self._sender.publisher.address, shm_dir
+        if params_map is not None and any(x is not None for x in (model_id, model, weights)):
+            raise ValueError("params_map= comes alone: no model_id=, model= or weights=")
+        source, shared = self._sources(context, model, weights, params_map)
+        self._name = self._name or _generated_name(self.model_id)
+        self._shm_dir = resolve_shm_dir(self._shm_dir)
+        if isinstance(source, dict):  # per-worker weights: a bus of its own for each
+            self.per_worker_weights = True
+            for idx, worker_source in sorted(source.items()):
+                sender = self._start(worker_source, f"{self._name}-{idx}", None, shared=False)
+                self._worker_senders[idx] = sender
+                self._worker_buses[idx] = (sender.publisher.name, sender.publisher.address)
+        else:
+            self._sender = self._start(source, self._name, self._address, shared=shared)
+            self._address = self._sender.publisher.address
         self._sync_tracker(0)
 
-    def _source(self, context: Any, model: Any, weights: Any) -> Any:
-        if weights is not None:
-            return _payload(weights)
-        if model is not None:
-            return model
-        if context is None:
-            raise ValueError("init_on_sender() needs context=, model= or weights=")
-        found = _find_model(context, self.model_id)
-        if isinstance(found, nn.Module | TensorDictBase):
-            return found
-        raise TypeError(
-            f"model {self.model_id!r} of {type(context).__name__} is a "
-            f"{type(found).__name__}, not a module with weights; a policy without "
-            "weights (e.g. RandomPolicy) needs no weight sync scheme"
+    def _sources(self, context: Any, model: Any, weights: Any, params_map: Any) -> tuple[Any, bool]:
+        """What the buses publish: one source, or ``{worker_idx: source}``; and whether
+        torchrl would share it with the workers (the collector's own policy, or weights
+        the caller put in shared memory)."""
+        shared = False
+        if params_map is not None:
+            workers = _check_params_map(params_map)
+            if len({id(td) for td in workers.values()}) > 1 or self.per_worker_weights:
+                return {i: _payload(td) for i, td in workers.items()}, False
+            first = next(iter(workers.values()))
+            source, shared = _payload(first), bool(first.is_shared())
+        elif weights is not None:
+            source = _payload(weights)
+        elif model is not None:
+            source = model
+        elif context is None:
+            raise ValueError("init_on_sender() needs context=, model=, weights= or params_map=")
+        else:
+            found = _find_model(context, self.model_id)
+            if isinstance(found, dict):  # distinct policy factories
+                return found, False
+            if not isinstance(found, nn.Module | TensorDictBase):
+                raise TypeError(
+                    f"model {self.model_id!r} of {type(context).__name__} is a "
+                    f"{type(found).__name__}, not a module with weights; a policy without "
+                    "weights (e.g. RandomPolicy) needs no weight sync scheme"
+                )
+            source, shared = found, True
+        if not self.per_worker_weights:
+            return source, shared
+        count = getattr(context, "num_workers", None)
+        if not isinstance(count, int):
+            raise ValueError(
+                "per_worker_weights=True needs the collector (context=) or a params_map= "
+                "to know how many workers there are"
+            )
+        self._broadcast = source  # send() without per-worker weights publishes it to all
+        return {i: _private_copy(source) for i in range(count)}, False
+
+    def _start(self, source: Any, name: str, address: str | None, *, shared: bool) -> _Sender:
+        """Start one bus over `source` (live where torchrl shares it, see `live`)."""
+        on_cpu = _all_on_cpu(source)
+        if self._live_arg is None:
+            live = shared and on_cpu and self._mode_arg != "copy" and self._apply == "background"
+        else:
+            live = self._live_arg
+        if live and not on_cpu:
+            raise ValueError("live=True shares CPU tensors: these weights are on a GPU")
+        self._live = live
+        self._mode = "alias" if live else self._mode_arg or "copy"
+        publisher = Publisher(
+            _on_cpu(source),
+            address,
+            name=name,
+            slots=self._slots,
+            timeout=self._timeout,
+            on_timeout=self._on_timeout,
+            heartbeat=self._heartbeat,
+            shm_dir=self._shm_dir,
+            live=live,
         )
+        sender = _Sender(source, publisher)
+        # torchrl never shuts a scheme down: its buses close when it is collected
+        self._closers.append(weakref.finalize(self, _close_sender, sender))
+        return sender
 
     def _setup_connection_and_weights_on_sender_impl(
         self, *, worker_idx: int | None = None, weights: Any = None
     ) -> None:
         """Workers fetch the current version when they join; explicit weights are published."""
         if weights is not None:
-            self._publish(weights, None, wait=False)
+            self._send(weights, None, wait=False)
 
     def send(self, weights: Any = None, worker_ids: Any = None) -> None:
         """Publish a new version; with ``sync`` wait until every worker applied it.
@@ -294,13 +389,57 @@ class ZmqWeightSyncScheme(WeightSyncScheme):  # type: ignore[misc]
         if self._attach_only:
             log.debug("update_policy_weights_() on an attached bus: the trainer publishes")
             return
-        self._publish(weights, worker_ids, wait=self._sync)
+        self._send(weights, worker_ids, wait=self._sync)
+
+    def _send(self, weights: Any, worker_ids: Any, *, wait: bool) -> None:
+        if isinstance(weights, str):
+            weights = _resolve_model(self.context, weights)
+        if self._worker_senders:
+            self._publish_per_worker(weights, worker_ids, wait=wait)
+        elif _per_worker(weights):
+            if len({id(w) for w in weights.values()}) > 1:
+                raise ValueError(
+                    "weights for each worker ({worker_idx: weights}) need a scheme with "
+                    "per_worker_weights=True (or distinct policy factories)"
+                )
+            self._publish(next(iter(weights.values())), worker_ids, wait=wait)
+        else:
+            self._publish(weights, worker_ids, wait=wait)
+
+    def _publish_per_worker(self, weights: Any, worker_ids: Any, *, wait: bool) -> None:
+        """Publish on each worker's bus: its own weights, or the same to every one."""
+        if _per_worker(weights):
+            plan = {int(i): _payload(w) for i, w in weights.items()}
+            if worker_ids is not None:
+                chosen = set(self._indices(worker_ids))
+                plan = {i: w for i, w in plan.items() if i in chosen}
+        else:
+            payload = _payload(weights) if weights is not None else self._broadcast
+            plan = dict.fromkeys(self._indices(worker_ids), payload)
+        unknown = sorted(set(plan) - set(self._worker_senders))
+        if unknown:
+            raise ValueError(f"no torchrl worker {unknown} on this scheme's buses")
+        handles = [
+            self._worker_senders[i].publish(w, workers=None, wait=False) for i, w in plan.items()
+        ]
+        if wait:  # one deadline each, all running at once
+            for handle in handles:
+                handle.wait()
+        if handles:
+            self.last_publish = handles[-1]
+            self._sync_tracker(max(h.version for h in handles))
+
+    def _indices(self, worker_ids: Any) -> list[int]:
+        if worker_ids is None:
+            return sorted(self._worker_senders)
+        ids = [worker_ids] if isinstance(worker_ids, int) else list(worker_ids)
+        if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            raise TypeError("worker_ids of a per-worker scheme are torchrl worker indices")
+        return ids
 
     def _publish(self, weights: Any, worker_ids: Any, *, wait: bool) -> Publish:
         if self._sender is None:
             raise RuntimeError("ZmqWeightSyncScheme.send() needs init_on_sender() first")
-        if isinstance(weights, str):
-            weights = _resolve_model(self.context, weights)
         publish = self._sender.publish(
             None if weights is None else _payload(weights),
             workers=self._targets(worker_ids),
@@ -367,18 +506,22 @@ class ZmqWeightSyncScheme(WeightSyncScheme):  # type: ignore[misc]
         if model is None:
             raise ValueError(f"no model to update for {self.model_id!r}")
         self._join(model)
-        atexit.register(self._close_receiver)
 
     def _join(self, model: Any) -> None:
         _materialize(model, self._strategy)
         worker_id = self._worker_id
         if self.worker_idx is not None:
             worker_id = self._worker_name(self.worker_idx)
+        name, address = self._name or "weights", self._address
+        if self._worker_buses:  # per-worker weights: this worker's own bus
+            if self.worker_idx not in self._worker_buses:
+                raise ValueError(f"no bus for torchrl worker {self.worker_idx} on this scheme")
+            name, address = self._worker_buses[self.worker_idx]
         self._bound_model = model
         self._subscriber = Subscriber(
-            self._address,
+            address,
             model,
-            name=self._name or "weights",
+            name=name,
             mode=self._mode,
             apply=self._apply,
             worker_id=worker_id,
@@ -386,6 +529,8 @@ class ZmqWeightSyncScheme(WeightSyncScheme):  # type: ignore[misc]
             on_update=self._sync_tracker,  # after each apply, before the ack
             shm_dir=self._shm_dir,
         ).start()
+        # closed when this scheme is collected, or at exit (torchrl never shuts it down)
+        self._receiver_closer = weakref.finalize(self, self._subscriber.close)
         if self.context is not None:
             self._adopt(self.context)
 
@@ -435,6 +580,9 @@ class ZmqWeightSyncScheme(WeightSyncScheme):  # type: ignore[misc]
     def _close_receiver(self) -> None:
         sub, self._subscriber = self._subscriber, None
         self._bound_model = None
+        closer, self._receiver_closer = self._receiver_closer, None
+        if closer is not None:
+            closer.detach()
         if sub is not None:
             sub.close()
 
@@ -478,11 +626,11 @@ class ZmqWeightSyncScheme(WeightSyncScheme):  # type: ignore[misc]
         torchrl's collectors do not shut their schemes down: call this (or use the scheme
         as a context manager) after ``collector.shutdown()``.
         """
-        sender, self._sender = getattr(self, "_sender", None), None
-        if sender is not None and sender.pid == os.getpid():
-            sender.publisher.close()
+        closers, self._closers = getattr(self, "_closers", []), []
+        self._sender, self._worker_senders = None, {}
+        for closer in closers:
+            closer()  # closes the bus once; a forked child's inherited bus is left alone
         if getattr(self, "_subscriber", None) is not None:
-            atexit.unregister(self._close_receiver)
             self._close_receiver()
         super().shutdown()
 
@@ -491,6 +639,10 @@ class ZmqWeightSyncScheme(WeightSyncScheme):  # type: ignore[misc]
         state: dict[str, Any] = super().__getstate__()
         state.update(
             _sender=None,
+            _worker_senders={},
+            _closers=[],
+            _receiver_closer=None,
+            _broadcast=None,
             _subscriber=None,
             _bound_model=None,
             _hooked_context=None,
@@ -514,12 +666,18 @@ class _Sender:
         self.pid = os.getpid()
         self.publisher = publisher.start()
         # A model on another device is staged through a CPU copy: re-read it each time.
-        self._live = None if _all_on_cpu(source) else source
+        self._staged = None if _all_on_cpu(source) else source
 
     def publish(self, weights: Any, *, workers: list[str] | None, wait: bool) -> Publish:
         if weights is None:
-            weights = self._live
+            weights = self._staged
         return self.publisher.publish(weights, workers=workers, wait=wait)
+
+
+def _close_sender(sender: _Sender) -> None:
+    """Close a scheme's bus, in the process that started it (never in a forked child)."""
+    if sender.pid == os.getpid():
+        sender.publisher.close()
 
 
 class _SafePoint:
@@ -548,14 +706,38 @@ def _find_model(context: Any, model_id: str) -> Any:
     except (AttributeError, ValueError):  # no such model (a collector built from factories)
         model = None
     if model is None and model_id == "policy":
-        factories = [f for f in getattr(context, "policy_factory", None) or () if f is not None]
-        if any(f is not factories[0] for f in factories):
-            raise NotImplementedError(
-                "distinct policy factories give each worker its own weights; "
-                "ZmqWeightSyncScheme publishes one set of weights to every worker"
-            )
-        model = factories[0]() if factories else None
+        factories = list(getattr(context, "policy_factory", None) or ())
+        if any(f is not factories[0] for f in factories):  # each worker its own weights
+            return {i: f() for i, f in enumerate(factories) if f is not None}
+        model = factories[0]() if factories and factories[0] is not None else None
     return model
+
+
+def _check_params_map(params_map: Any) -> dict[int, TensorDictBase]:
+    """torchrl's ``params_map``: ``{worker_idx: TensorDict}``, as its schemes check it."""
+    if (
+        not isinstance(params_map, Mapping)
+        or not params_map
+        or not all(isinstance(i, int) and not isinstance(i, bool) for i in params_map)
+        or not all(isinstance(td, TensorDictBase) for td in params_map.values())
+    ):
+        raise ValueError("params_map must be a dict[int, TensorDictBase]")
+    return dict(params_map)
+
+
+def _per_worker(weights: Any) -> bool:
+    """Whether `weights` is ``{worker_idx: weights}`` (torchrl's per-worker form)."""
+    return (
+        isinstance(weights, Mapping)
+        and not isinstance(weights, TensorDictBase)
+        and bool(weights)
+        and all(isinstance(k, int) and not isinstance(k, bool) for k in weights)
+    )
+
+
+def _private_copy(source: Any) -> dict[str, torch.Tensor]:
+    """A worker's own weights, to start from: a CPU copy of `source`'s tensors."""
+    return {name: t.detach().to("cpu", copy=True) for name, t in _tensors(source)}
 
 
 def _payload(weights: Any) -> Any:
@@ -565,11 +747,8 @@ def _payload(weights: Any) -> Any:
     if isinstance(weights, TensorDictBase):
         return weights.exclude(_EXTRA_STATE) if _EXTRA_STATE in weights.keys() else weights
     if isinstance(weights, Mapping):
-        if weights and all(isinstance(k, int) for k in weights):
-            raise NotImplementedError(
-                "per-worker weights ({worker_idx: weights}) are not supported: "
-                "a bus carries one set of weights"
-            )
+        if _per_worker(weights):
+            raise ValueError("{worker_idx: weights} where one set of weights was expected")
         return weights
     raise TypeError(
         f"weights must be a module, a TensorDict or a state_dict, not {type(weights).__name__}"
