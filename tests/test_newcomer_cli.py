@@ -180,6 +180,10 @@ def test_worker_prints_its_summary_when_stopped_by_a_signal(spawn, name, sig):
     assert worker.finish(30) == 0, worker.stderr
     summary = worker.summary()
     assert summary["worker"] == "w-sig" and summary["applied"] >= 3
+    # "joined" comes first, then every version applied, the one it joined at included
+    assert worker.records[0] == joined
+    applied = [r["version"] for r in worker.records if r.get("event") == "applied"]
+    assert applied == summary["versions"] and applied[0] == joined["version"]
     assert summary["verified"] == summary["applied"] and summary["mismatches"] == []
     _end(trainer)
 

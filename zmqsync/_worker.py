@@ -54,6 +54,9 @@ class _Verifier:
         self.verified = 0
         self.mismatches: list[int] = []
         self.unverifiable: list[int] = []  # versions of a re-joined bus without a checksum
+        # JSON lines of versions applied before the "joined" line is out (the handshake
+        # applies the current version): printed right after it, in order
+        self.held: list[dict[str, Any]] | None = []
         self.lock = threading.Lock()
 
     def __call__(self, version: int) -> None:
@@ -74,8 +77,20 @@ class _Verifier:
             record["expected"] = stored_digest(dict(sub.tensors))
         with self.lock:
             self.versions.append(version)
+            if self.out.as_json and self.held is not None:
+                self.held.append(record)
+                return
         if self.out.as_json:
             self.out.json(record)
+
+    def joined(self) -> tuple[int | None, int]:
+        """The version the worker joined at (the first it applied) and how many it applied
+        so far; from now on JSON lines go out as they come, after the held ones."""
+        with self.lock:
+            for record in self.held or ():
+                self.out.json(record)
+            self.held = None
+            return (self.versions[0] if self.versions else None), len(self.versions)
 
     def _check(self, sub: Subscriber, version: int, record: dict[str, Any]) -> None:
         flat: dict[Key, Any] = dict(sub.tensors)
@@ -158,28 +173,33 @@ class _Watch:
         self.shown = 0  # versions already reported (index into verifier.versions)
 
     def joined(self) -> None:
+        """The "joined" line first, then every version applied since (the handshake's
+        own, and any that came in meanwhile)."""
         sub = self.sub
+        with self.verifier.lock:
+            first = self.verifier.versions[0] if self.verifier.versions else sub.version
         record = {
             "event": "joined",
             "worker": sub.worker_id,
             "name": sub.name,
             "bus": sub.bus_id,
             "address": sub.address,
-            "version": sub.version,
+            "version": first,
             "mode": sub.mode,
             "apply": sub.apply,
             "transport": sub.transport,
         }
         if self.out.as_json:
             self.out.json(record)
+            self.verifier.joined()
             return
         self.out.say(
             f"worker {printable(sub.worker_id)} joined bus {sub.name!r} (id {sub.bus_id}) at "
-            f"{printable(sub.address)}: version {sub.version}, {sub.mode} mode, "
+            f"{printable(sub.address)}: version {first}, {sub.mode} mode, "
             f"{sub.apply} apply, transport {printable(sub.transport)}"
         )
-        with self.verifier.lock:  # the version it joined at is in the line above
-            self.shown = len(self.verifier.versions)
+        _, applied = self.verifier.joined()
+        self.shown = min(applied, 1)  # the version it joined at is in the line above
 
     def tick(self) -> None:
         sub = self.sub

@@ -760,7 +760,7 @@ def _parser() -> argparse.ArgumentParser:
         "--until-version",
         type=_non_negative_int,
         default=None,
-        help="exit once this version is applied",
+        help="exit once this version (or a newer one) is applied",
     )
     p.add_argument(
         "--forever",
