@@ -441,6 +441,12 @@ class Publisher:
         if self._state != "started":
             self._state = "closed"
             return
+        if self._pending is not None and os.getpid() == self._pid:
+            # a version still being written in the background goes out before STOP
+            _, pending = self._pending
+            with contextlib.suppress(Exception):
+                pending.wait(self._timeout)
+            self._pending = None
         self._state = "closed"
         if os.getpid() != self._pid:
             # A forked child inherited this object: the segment, sockets and thread
