@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import MODES, QUICK, SIZES, BenchConfig
+from .machine import torchrl_available
 from .plots import plot
 from .report import print_report
 from .run import run_bench
@@ -124,6 +125,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--plot", action="store_true", help="draw PNG plots (needs matplotlib)")
     p.add_argument("--quiet", action="store_true", help="no progress bar and no tables")
+    p.add_argument(
+        "--trainer",
+        action="store_true",
+        help="only the trainer phase: a training loop (MLP, Adam) publishing every step to "
+        "alias workers, five ways side by side (none, sync, overlapped, torchrl's two); "
+        "~10 minutes at the default sizes",
+    )
+    p.add_argument(
+        "--trainer-sizes",
+        type=_csv_ints,
+        default=(64, 512),
+        help="trainer phase model sizes in MB (default 64,512)",
+    )
+    p.add_argument(
+        "--trainer-workers", type=int, default=8, help="trainer phase alias workers (default 8)"
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
@@ -178,6 +195,8 @@ def run_from_args(args: argparse.Namespace, command: str = "") -> int:
     from rich.console import Console
 
     cfg = config_from_args(args)
+    if args.trainer:
+        return _run_trainer(args, cfg.out, cfg.plot)
     if cfg.plot:  # fail before a long run, not after it
         try:
             import matplotlib  # noqa: F401
@@ -198,3 +217,32 @@ def run_from_args(args: argparse.Namespace, command: str = "") -> int:
         console.print(f"results: {cfg.out / 'results.json'}, {cfg.out / 'results.csv'} "
                       f"({res.seconds:.0f} s)")  # fmt: skip
     return 0
+
+
+def _run_trainer(args: argparse.Namespace, out: Path, plot_it: bool) -> int:
+    """`zmqsync bench --trainer`: the trainer phase alone (see `trainer`)."""
+    import json
+
+    from rich.console import Console
+
+    from .trainer import WAYS, plot_trainer, print_trainer_report, run_trainer_phase
+
+    console = None if args.quiet else Console(width=None if sys.stdout.isatty() else 180)
+    ways = WAYS if torchrl_available() == "" else WAYS[:3]
+    with _sigterm_as_interrupt():
+        records = run_trainer_phase(
+            sizes_mb=tuple(args.trainer_sizes),
+            workers=args.trainer_workers,
+            ways=ways,
+            progress=(lambda what: console.print(what)) if console else (lambda what: None),
+        )
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "trainer.json").write_text(json.dumps(records, indent=1))
+    if console is not None:
+        print_trainer_report(records, console)
+        console.print(f"results: {out / 'trainer.json'}")
+    if plot_it:
+        path = plot_trainer(records, out)
+        if console is not None:
+            console.print(f"plot: {path}")
+    return 0 if all(r["status"] == "ok" for r in records) else 1

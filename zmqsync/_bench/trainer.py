@@ -1,0 +1,496 @@
+"""The trainer phase: what publishing every step costs a real training loop.
+
+An MLP (64 MB and 512 MB of float32), Adam, a batch sized so that forward + backward
+take at least twice a copy of the model, publishing every step to N alias workers that
+are plain processes. Five ways, side by side in one run, each in its own process
+(``python -m zmqsync._bench.trainer SPEC``: memory is returned between ways, and a
+torchrl sender waiting forever on a dead receiver is killed with its group):
+
+* ``none``: no publishing, the loop's own speed.
+* ``sync``: ``publish()`` after ``step()``: a copy into a free slot, then the acks.
+* ``overlapped``: ``Publisher(..., optimizer=opt)`` and ``publish(wait=False)``: the
+  parameters are copied while the next forward and backward run; ``step()`` waits only
+  if that copy is unfinished.
+* ``torchrl-collector``: torchrl's ``SharedMemWeightSyncScheme`` as its collectors use it
+  with a CPU policy: the trainer's tensors are the shared buffer, ``send()`` copies
+  nothing and workers read the live, changing tensors (no versions).
+* ``torchrl-own``: the same scheme owning a buffer: ``send()`` copies into it in place,
+  while workers may read it.
+
+Per publish, "blocked" is the time the training thread spent on it: inside
+``publish()``/``send()``, plus (overlapped) inside the step hook; "to last ack" runs
+from the call to the last worker's ack (overlapped: observed by a thread that waits on
+each handle).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import uuid
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+WAYS = ("none", "sync", "overlapped", "torchrl-collector", "torchrl-own")
+WIDTH = 1024  # each layer a 1024x1024 Linear: 4 MiB and 2 tensors
+SIZES_MB = (64, 512)
+
+
+def model_for(size_mb: int) -> torch.nn.Sequential:
+    """An MLP of about `size_mb` MB of float32 parameters (ReLU between the layers)."""
+    layers = max(1, round(size_mb * 2**20 / ((WIDTH * WIDTH + WIDTH) * 4)))
+    parts: list[torch.nn.Module] = []
+    for i in range(layers):
+        parts.append(torch.nn.Linear(WIDTH, WIDTH))
+        if i < layers - 1:
+            parts.append(torch.nn.ReLU())
+    return torch.nn.Sequential(*parts)
+
+
+def _model_bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def _copy_seconds(model: torch.nn.Module) -> float:
+    """One copy of every parameter into preallocated tensors: a publish's floor."""
+    params = [p.detach() for p in model.parameters()]
+    dst = [torch.empty_like(p) for p in params]
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        torch._foreach_copy_(dst, params)
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def _step_fn(
+    model: torch.nn.Module, opt: torch.optim.Optimizer, batch: int
+) -> tuple[Callable[[], None], Callable[[], None]]:
+    """(forward and backward, optimizer step) on a fixed random batch."""
+    x = torch.randn(batch, WIDTH)
+
+    def forward_backward() -> None:
+        opt.zero_grad(set_to_none=False)
+        model(x).square().mean().backward()
+
+    return forward_backward, opt.step
+
+
+def _pick_batch(model: torch.nn.Module, copy_s: float) -> tuple[int, float]:
+    """The smallest batch (>= 16) whose forward + backward takes >= 2 copies."""
+    batch, spent = 16, 0.0
+    while True:
+        x = torch.randn(batch, WIDTH)
+        model(x).square().mean().backward()  # warm
+        t = time.perf_counter()
+        model(x).square().mean().backward()
+        spent = time.perf_counter() - t
+        model.zero_grad(set_to_none=True)
+        if spent >= 2 * copy_s or batch >= 1024:
+            return batch, spent
+        batch *= 2
+
+
+# --- one way, in its own process ---------------------------------------------------------
+
+
+def _spawn_zmqsync_workers(name: str, n: int) -> list[subprocess.Popen[bytes]]:
+    """N plain alias workers: the `zmqsync worker` command, background apply."""
+    cmd = [sys.executable, "-m", "zmqsync", "worker", "--name", name, "--mode", "alias"]
+    return [
+        subprocess.Popen(
+            [*cmd, "--worker-id", f"bench-{i}", "--timeout", "120", "--json"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for i in range(n)
+    ]
+
+
+def _reap(procs: list[subprocess.Popen[bytes]]) -> None:
+    for proc in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(20)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+class _AckWatch:
+    """Waits on each overlapped handle in turn, off the training thread, so that the
+    time to the last ack is seen without the loop waiting for it."""
+
+    def __init__(self) -> None:
+        self.handles: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.seconds: list[float] = []
+        self._thread = threading.Thread(target=self._run, name="bench-ackwatch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (handle := self.handles.get()) is not None:
+            self.seconds.append(handle.wait(120).seconds)
+
+    def close(self) -> None:
+        self.handles.put(None)
+        self._thread.join(180)
+
+
+def run_way(spec: dict[str, Any]) -> dict[str, Any]:
+    """Train `spec["steps"]` measured steps (after 2 warm-up ones) one way; the record."""
+    way, size_mb, n = spec["way"], int(spec["size_mb"]), int(spec["workers"])
+    # The same intra-op threads for every way: on a loaded machine OpenMP's spinning
+    # threads made a step 5-10x slower at 2 threads than at 1, and varied with whatever
+    # else ran, so the comparison would be of thread scheduling, not of publishing.
+    torch.set_num_threads(int(spec.get("threads") or max(1, (os.cpu_count() or 2) // 2)))
+    torch.manual_seed(0)
+    model = model_for(size_mb)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    copy_s = _copy_seconds(model)
+    batch, fwd_bwd_s = _pick_batch(model, copy_s)
+    forward_backward, step = _step_fn(model, opt, batch)
+    record: dict[str, Any] = {
+        "way": way,
+        "size_mb": size_mb,
+        "bytes": _model_bytes(model),
+        "workers": n,
+        "batch": batch,
+        "copy_s": copy_s,
+        "fwd_bwd_s": fwd_bwd_s,
+        "threads": torch.get_num_threads(),
+    }
+    with _publishing(way, model, opt, n) as publish:
+        blocked, to_ack, steps_s = _loop(forward_backward, step, publish, int(spec["steps"]))
+    record.update(publish.summary(blocked, to_ack) if publish is not None else {})
+    record["step_s"] = statistics.median(steps_s)
+    record["steps_per_s"] = len(steps_s) / sum(steps_s)
+    return record
+
+
+def _loop(
+    forward_backward: Callable[[], None],
+    step: Callable[[], None],
+    publish: Any,
+    steps: int,
+) -> tuple[list[float], list[float], list[float]]:
+    blocked: list[float] = []
+    to_ack: list[float] = []
+    steps_s: list[float] = []
+    for i in range(2 + steps):
+        t = time.perf_counter()
+        forward_backward()
+        step()
+        if publish is not None:
+            publish(blocked, to_ack)
+        if i >= 2:
+            steps_s.append(time.perf_counter() - t)
+    if publish is not None:
+        publish.finish(blocked, to_ack)
+    return blocked[2:], to_ack[2:], steps_s
+
+
+@contextlib.contextmanager
+def _publishing(way: str, model: torch.nn.Module, opt: torch.optim.Optimizer, n: int) -> Any:
+    if way == "none":
+        yield None
+    elif way in ("sync", "overlapped"):
+        with _zmqsync_way(way, model, opt, n) as publish:
+            yield publish
+    else:
+        with _torchrl_way(way, model, n) as publish:
+            yield publish
+
+
+class _Publishing:
+    """Call once per step: publish and note the training thread's cost."""
+
+    def __init__(self, call: Callable[[list[float], list[float]], None]) -> None:
+        self._call = call
+        self.finish: Callable[[list[float], list[float]], None] = lambda b, a: None
+
+    def __call__(self, blocked: list[float], to_ack: list[float]) -> None:
+        self._call(blocked, to_ack)
+
+    @staticmethod
+    def summary(blocked: list[float], to_ack: list[float]) -> dict[str, Any]:
+        return {
+            "blocked_p50": statistics.median(blocked),
+            "blocked_mean": statistics.fmean(blocked),
+            "blocked_max": max(blocked),
+            "to_last_ack_p50": statistics.median(to_ack) if to_ack else None,
+        }
+
+
+@contextlib.contextmanager
+def _zmqsync_way(
+    way: str, model: torch.nn.Module, opt: torch.optim.Optimizer, n: int
+) -> Iterator[_Publishing]:
+    import zmqsync
+
+    name = f"trainer-{uuid.uuid4().hex[:8]}"
+    optimizer = opt if way == "overlapped" else None
+    with zmqsync.Publisher(model, name=name, optimizer=optimizer, timeout=120) as pub:
+        workers = _spawn_zmqsync_workers(name, n)
+        try:
+            if not pub.wait_for_workers(n, timeout=180):
+                raise RuntimeError(f"only {len(pub.workers)} of {n} workers joined")
+            if way == "sync":
+
+                def publish(blocked: list[float], to_ack: list[float]) -> None:
+                    t = time.perf_counter()
+                    handle = pub.publish()
+                    blocked.append(time.perf_counter() - t)
+                    to_ack.append(handle.seconds)
+
+                yield _Publishing(publish)
+            else:
+                watch = _AckWatch()
+                handles: list[Any] = []
+
+                def publish(blocked: list[float], to_ack: list[float]) -> None:
+                    handle = pub.publish(wait=False)
+                    handles.append(handle)
+                    watch.handles.put(handle)
+
+                def finish(blocked: list[float], to_ack: list[float]) -> None:
+                    handles[-1].wait(120)
+                    watch.close()
+                    # read now: a handle's step-hook wait is known once the next step ran
+                    blocked.extend(h.blocked for h in handles)
+                    to_ack.extend(watch.seconds)
+
+                publishing = _Publishing(publish)
+                publishing.finish = finish
+                yield publishing
+        finally:
+            pub.close()
+            _reap(workers)
+
+
+def _torchrl_receiver(scheme: Any, size_mb: int, worker_idx: int, ready: Any, stop: Any) -> None:
+    """One collector worker: its policy is replaced by views of the shared buffer."""
+    try:
+        model = model_for(size_mb)
+        scheme.init_on_receiver(model_id="policy", model=model, worker_idx=worker_idx)
+        scheme.connect(worker_idx=worker_idx)  # torchrl's background receiver thread
+        ready.put((worker_idx, ""))
+    except Exception as exc:
+        ready.put((worker_idx, f"{type(exc).__name__}: {exc}"))
+        return
+    stop.wait()
+    scheme.shutdown()
+
+
+@contextlib.contextmanager
+def _torchrl_way(way: str, model: torch.nn.Module, n: int) -> Iterator[_Publishing]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from torchrl._utils import _get_mp_ctx
+        from torchrl.weight_update import SharedMemWeightSyncScheme
+
+    ctx = _get_mp_ctx(None)
+    size_mb = round(_model_bytes(model) / 2**20)
+    scheme = SharedMemWeightSyncScheme()
+    cpu = torch.device("cpu")
+    # collector: the policy is the trained module, its tensors become the buffer; own:
+    # the policy the collectors hold is another module, send() copies into it
+    policy = model if way == "torchrl-collector" else model_for(size_mb)
+    scheme.init_on_sender(model_id="policy", model=policy, devices=[cpu] * n, ctx=ctx)
+    ready, stop = ctx.Queue(), ctx.Event()
+    procs = [
+        ctx.Process(target=_torchrl_receiver, args=(scheme, size_mb, i, ready, stop), daemon=True)
+        for i in range(n)
+    ]
+    try:
+        for proc in procs:
+            proc.start()
+        scheme.connect()
+        for _ in range(n):
+            _, error = ready.get(timeout=180)
+            if error:
+                raise RuntimeError(f"a torchrl receiver failed: {error}")
+
+        def publish(blocked: list[float], to_ack: list[float]) -> None:
+            t = time.perf_counter()
+            scheme.send(weights=model)  # collector.update_policy_weights_(model)
+            spent = time.perf_counter() - t
+            blocked.append(spent)
+            to_ack.append(spent)  # a sync send returns once every worker acked
+
+        yield _Publishing(publish)
+    finally:
+        stop.set()
+        for proc in procs:
+            proc.join(20)
+            if proc.is_alive():
+                proc.kill()
+        with contextlib.suppress(Exception):
+            scheme.shutdown()
+
+
+def main(argv: list[str]) -> int:
+    """Run one way (`argv[0]`: a JSON spec) and print its record as one JSON line."""
+    spec = json.loads(argv[0])
+    with contextlib.suppress(OSError, AttributeError):  # die with the harness
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)
+    print(json.dumps(run_way(spec)), flush=True)
+    return 0
+
+
+# --- the harness side -------------------------------------------------------------------
+
+
+def run_trainer_phase(
+    *,
+    sizes_mb: tuple[int, ...] = SIZES_MB,
+    workers: int = 8,
+    steps: dict[int, int] | None = None,
+    ways: tuple[str, ...] = WAYS,
+    timeout: float = 900.0,
+    progress: Callable[[str], None] = lambda what: None,
+) -> list[dict[str, Any]]:
+    """Every way at every size, one process each, sizes outer and ways inner (so a
+    size's ways run close together in time); a way that fails is recorded with why."""
+    steps = steps or {64: 20, 512: 8}
+    root = Path(__file__).resolve().parents[2]
+    records = []
+    for size_mb in sizes_mb:
+        for way in ways:
+            progress(f"trainer {size_mb} MB {way}")
+            spec = {
+                "way": way,
+                "size_mb": size_mb,
+                "workers": workers,
+                "steps": steps.get(size_mb, 8),
+            }
+            records.append(_run_one(spec, root, timeout))
+    return records
+
+
+def _run_one(spec: dict[str, Any], root: Path, timeout: float) -> dict[str, Any]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "zmqsync._bench.trainer", json.dumps(spec)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=root,
+        start_new_session=True,  # its workers go with it when it is killed
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate(timeout=30)
+        return {**spec, "status": f"failed: no result within {timeout:.0f} s"}
+    lines = [line for line in out.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        last = (err.strip().splitlines() or ["no output"])[-1]
+        return {**spec, "status": f"failed (rc {proc.returncode}): {last[:300]}"}
+    return {**json.loads(lines[-1]), "status": "ok"}
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
+
+
+# --- report -----------------------------------------------------------------------------
+
+
+def targets(records: list[dict[str, Any]]) -> list[tuple[str, str, bool]]:
+    """(what, measured, met) per size: overlapped blocked time against sync's, and
+    overlapped steps/s against torchrl's collector path."""
+    out = []
+    for size_mb in sorted({r["size_mb"] for r in records}):
+        ok = {r["way"]: r for r in records if r["size_mb"] == size_mb and r["status"] == "ok"}
+        sync, over, coll = ok.get("sync"), ok.get("overlapped"), ok.get("torchrl-collector")
+        if sync and over:
+            ratio = over["blocked_p50"] / sync["blocked_p50"]
+            out.append(
+                (f"{size_mb} MB blocked, overlapped/sync <= 10%", f"{ratio:.1%}", ratio <= 0.1)
+            )
+        if coll and over:
+            ratio = over["steps_per_s"] / coll["steps_per_s"]
+            out.append(
+                (
+                    f"{size_mb} MB steps/s, overlapped/torchrl collector >= 1",
+                    f"{ratio:.2f}x",
+                    ratio >= 1.0,
+                )
+            )
+    return out  # fmt: skip
+
+
+def print_trainer_report(records: list[dict[str, Any]], console: Any) -> None:
+    from rich.table import Table
+
+    table = Table(title="trainer phase: a training loop publishing every step")
+    for col in ("size", "way", "workers", "batch", "steps/s", "vs none", "blocked p50",
+                "blocked max", "to last ack p50", "status"):  # fmt: skip
+        table.add_column(col)
+    base = {
+        r["size_mb"]: r["steps_per_s"] for r in records if r["way"] == "none" and "steps_per_s" in r
+    }
+
+    def ms(value: float | None) -> str:
+        return "-" if value is None else f"{value * 1e3:.2f} ms"
+
+    for r in records:
+        ok = r["status"] == "ok"
+        table.add_row(
+            f"{r['size_mb']} MB",
+            r["way"],
+            str(r["workers"]),
+            str(r.get("batch", "-")),
+            f"{r['steps_per_s']:.2f}" if ok else "-",
+            f"{r['steps_per_s'] / base[r['size_mb']]:.2f}x" if ok and r["size_mb"] in base else "-",
+            ms(r.get("blocked_p50")),
+            ms(r.get("blocked_max")),
+            ms(r.get("to_last_ack_p50")),
+            r["status"],
+        )
+    console.print(table)
+    for what, measured, met in targets(records):
+        console.print(f"  {'[green]met[/]' if met else '[red]missed[/]'}  {what}: {measured}")
+
+
+def plot_trainer(records: list[dict[str, Any]], out: Path) -> Path:
+    """trainer_steps.png: steps/s per way, one group of bars per model size."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = sorted({r["size_mb"] for r in records})
+    fig, ax = plt.subplots(figsize=(8, 4.2))
+    width = 0.8 / len(WAYS)
+    for i, way in enumerate(WAYS):
+        values = []
+        for size_mb in sizes:
+            rec = next((r for r in records if r["size_mb"] == size_mb and r["way"] == way), None)
+            values.append(rec["steps_per_s"] if rec and rec["status"] == "ok" else 0.0)
+        xs = [j + (i - (len(WAYS) - 1) / 2) * width for j in range(len(sizes))]
+        ax.bar(xs, values, width, label=way)
+    ax.set_xticks(range(len(sizes)), [f"{s} MB MLP, Adam" for s in sizes])
+    ax.set_ylabel("training steps/s (higher is better)")
+    ax.set_title("publishing every step to alias workers")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "trainer_steps.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
