@@ -586,6 +586,7 @@ def test_compose_tmpfs_volume_variant(docker: Docker) -> None:
     project.assert_gone(containers)
 
 
+@pytest.mark.slow  # its fixture may install Docker and build the images
 @pytest.mark.timeout(300)
 def test_compose_files_are_valid(docker: Docker) -> None:
     """Every variant parses; the GPU one shares the PID namespace and reserves GPUs."""

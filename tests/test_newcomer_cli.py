@@ -399,6 +399,52 @@ def test_a_bus_that_is_not_there_fails_at_once_and_names_those_that_are(name, ca
         assert line.startswith("zmqsync worker: ConnectTimeout: ") and line.endswith(f": {name}")
 
 
+# --- the README's example --------------------------------------------------------------------
+
+
+def _readme_snippets() -> list[str]:
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## Library example") :]
+    section = section[: section.index("\n## ", 1)]
+    return re.findall(r"```python\n(.*?)```", section, re.S)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("first", ["worker", "trainer"])
+def test_the_readme_trainer_and_worker_run_side_by_side(tmp_path, first):
+    """Verbatim, in either order: the worker sees the versions the trainer publishes."""
+    trainer_code, worker_code = _readme_snippets()
+    code = {"trainer": trainer_code, "worker": worker_code}
+    procs = {}
+    for role in (first, "trainer" if first == "worker" else "worker"):
+        (tmp_path / f"{role}.py").write_text(code[role])
+        procs[role] = subprocess.Popen(
+            [sys.executable, str(tmp_path / f"{role}.py")],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=tmp_path,
+        )
+    try:
+        out = {role: proc.communicate(timeout=180) for role, proc in procs.items()}
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate(timeout=10)
+    for role, proc in procs.items():
+        assert proc.returncode == 0, (role, out[role][1][-3000:])
+    published = out["trainer"][0].splitlines()
+    assert [line.split()[0] for line in published] == [str(v) for v in range(1, 101)]
+    for line in published:  # version, publish time, the worker that acked it
+        assert re.fullmatch(r"\d+ \d+\.\d ms \('[^']+',\)", line), line
+    seen = out["worker"][0].splitlines()
+    assert seen[0] == "joined at version 0", seen[:3]
+    versions = [int(line.rsplit(" ", 1)[1]) for line in seen[1:]]
+    assert seen[1:] == [f"computing with version {v}" for v in versions]
+    assert versions == sorted(set(versions)) and versions[-1] == 100, versions
+
+
 # --- help and defaults --------------------------------------------------------------------------
 
 

@@ -14,6 +14,7 @@ import sys
 import pytest
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_short_soak(tmp_path):
     out = tmp_path / "soak.json"
