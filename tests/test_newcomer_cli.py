@@ -461,3 +461,17 @@ def test_the_relay_chunk_default_is_the_relay_roots():
     from zmqsync.relay import _root
 
     assert _config.RELAY_CHUNK_MB == _root.DEFAULT_CHUNK_MB
+
+
+def test_help_texts_make_no_promises_of_speed_and_name_no_tracker():
+    """Every command's --help: no "under N minutes" (bench --quick took 4 on 2 busy
+    cores) and no words of a bug tracker."""
+    parser = _parser()
+    [commands] = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    texts = [parser.format_help()] + [p.format_help() for p in commands.choices.values()]
+    for text in texts:
+        flat = " ".join(text.split())
+        assert not re.search(r"\b(issue|ticket)s?\b", flat, re.I), flat
+        assert not re.search(r"under \d+ (minute|second)", flat, re.I), flat
+    quick = commands.choices["bench"].format_help()
+    assert "a few minutes" in " ".join(quick.split())

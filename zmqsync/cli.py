@@ -686,17 +686,25 @@ def _parser() -> argparse.ArgumentParser:
         "publish a policy K times, and print the bus's publish latency, the verified round "
         "trip and each worker's counts. Exit 1 if any worker missed a version or a checksum.",
     )
-    p.add_argument("--workers", type=_positive(int), default=4, help="worker processes (default 4)")
+    p.add_argument(
+        "--workers",
+        type=_positive(int),
+        default=4,
+        metavar="N",
+        help="worker processes (default 4)",
+    )
     p.add_argument(
         "--updates",
         type=_positive(int),
         default=20,
+        metavar="N",
         help="versions to publish after the warm-up (default 20)",
     )
     p.add_argument(
         "--size-mb",
         type=_positive(float),
         default=64.0,
+        metavar="MIB",
         help="size of the policy in MiB (default 64); refused if the host cannot hold it",
     )
     p.add_argument(
@@ -710,12 +718,14 @@ def _parser() -> argparse.ArgumentParser:
         "--slots",
         type=_positive(int),
         default=2,
+        metavar="N",
         help="copies of the policy in shared memory (default 2)",
     )
     p.add_argument(
         "--timeout",
         type=_positive(float),
         default=60.0,
+        metavar="S",
         help="deadline (s) for the workers to join and for each publish (default 60)",
     )
     p.set_defaults(func=cmd_demo)

@@ -59,7 +59,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--quick",
         action="store_true",
-        help="small grid (1 and 4 workers, up to 64 MB), under 2 minutes",
+        help="small grid (1 and 4 workers, up to 64 MB; a 1 GB late join): a few minutes "
+        "(4 on 2 busy cores)",
     )
     p.add_argument("--workers", type=_csv_ints, default=None, help="e.g. 1,2,4,8,16,32,64")
     p.add_argument(
