@@ -10,11 +10,15 @@ collector of `test_late_collector_attaches_by_name`: a process torchrl did not s
 
 from __future__ import annotations
 
+import gc
 import json
+import os
 import pickle
 import sys
+import threading
 import time
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -301,6 +305,72 @@ def test_manual_apply_never_mixes_versions_in_a_batch(name):
                 assert versions(batch) == [2]
             finally:
                 collector.shutdown()
+
+
+def test_dropped_scheme_releases_its_bus_and_segments(bus_dirs):
+    """torchrl never shuts a scheme down: dropped with its collector, in a reference cycle
+    that only the garbage collector frees, it closes its (live) bus without a warning."""
+    policy = make_policy(0)
+
+    def collect_once() -> tuple[weakref.ref, str]:
+        scheme = ZmqWeightSyncScheme()
+        collector = MultiSyncCollector(
+            [make_env],
+            policy,
+            frames_per_batch=20,
+            total_frames=-1,
+            weight_sync_schemes={"policy": scheme},
+        )
+        cycle: list[object] = [collector]
+        cycle.append(cycle)  # only the cycle collector frees it
+        try:
+            next(iter(collector))
+            assert scheme.live and os.listdir(bus_dirs[1])
+        finally:
+            collector.shutdown()
+        return weakref.ref(scheme), scheme.name
+
+    gone, name = collect_once()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ResourceWarning)
+        gc.collect()
+    assert gone() is None
+    assert not os.listdir(bus_dirs[1]), "the bus's segment is left in the shm dir"
+    assert not [t for t in threading.enumerate() if t.name.startswith("zmqsync-")]
+    set_version(policy, 1)  # the policy's tensors are private again, and writable
+    assert torch.equal(policy.module[0].weight.detach(), weights_for(1)["module.0.weight"])
+
+
+def test_params_map_one_bus_for_shared_weights_one_per_worker_for_distinct(name):
+    shared = TensorDict.from_module(make_policy(1)).data.clone()
+    with ZmqWeightSyncScheme(name=name) as scheme:
+        scheme.init_on_sender(params_map={0: shared, 1: shared, 2: shared})
+        assert scheme.publisher is not None and not scheme.publishers and not scheme.live
+    own = {i: TensorDict.from_module(make_policy(i)).data.clone() for i in range(2)}
+    with ZmqWeightSyncScheme(name=name) as scheme:
+        scheme.init_on_sender(params_map=own)
+        assert scheme.publisher is None and sorted(scheme.publishers) == [0, 1]
+        assert [p.name for p in scheme.publishers.values()] == [f"{name}-0", f"{name}-1"]
+        receivers, policies = [], []
+        try:
+            for i in range(2):
+                clone = pickle.loads(pickle.dumps(scheme))  # what torchrl hands worker i
+                policies.append(make_policy(None))
+                clone.init_on_receiver(model_id="policy", model=policies[i], worker_idx=i)
+                clone.connect()
+                receivers.append(clone)
+            for i in range(2):
+                assert torch.equal(policies[i].module[0].weight, weights_for(i)["module.0.weight"])
+            update = TensorDict.from_module(make_policy(5)).data
+            scheme.send({1: update})  # worker 1 only; sync: applied when this returns
+            assert torch.equal(policies[1].module[0].weight, weights_for(5)["module.0.weight"])
+            assert torch.equal(policies[0].module[0].weight, weights_for(0)["module.0.weight"])
+            assert scheme.publishers[1].version == 1 and scheme.publishers[0].version == 0
+        finally:
+            for receiver in receivers:
+                receiver.shutdown()
+    with pytest.raises(ValueError, match="params_map"):
+        ZmqWeightSyncScheme().init_on_sender(params_map={"0": shared})
 
 
 def _independent_collector(name: str, until: int) -> int:

@@ -7,6 +7,8 @@ misses its deadline. Two set-ups are planned per size: ``collector`` (the traine
 module's own tensors are the shared buffer, as torchrl's collectors do with a CPU
 policy) and ``own`` (the scheme owns a buffer; ``send()`` copies into it). torchrl
 holds every size of a run at once, so the plan also keeps the sum under the budget.
+After each run, zmqsync's live publishes are timed at the collector points' sizes
+(`live`): the same sharing of the trainer's tensors, a round trip per publish.
 """
 
 from __future__ import annotations
@@ -145,6 +147,13 @@ class TorchrlBaseline:
                 why = run["status"] if run["status"] != "ok" else "no result"
                 self.record(n, p["key"], p["variant"], f"error: {why}"[:300])
         run["seconds"] = time.perf_counter() - t_run
+        # zmqsync's counterpart of the collector path, at the same sizes and N (imported
+        # here: `python -m zmqsync._bench.live` must not find itself imported already)
+        from .live import measure_live
+
+        run["live"] = measure_live(
+            self.cfg, self.results, n, points, self.env, self.log_dir / f"live-{n}.log"
+        )
         self.results.torchrl_runs.append(run)
 
     def _follow(
