@@ -49,8 +49,12 @@ RELAY_TIMEOUT = 2.0  # each relay host's own bus deadline (below the root's)
 OUTAGE_S = 5.0  # longer than every relay timeout: root, relay, collectives, liveness
 # a re-join once the link is back: the relay's next connect attempt (every max(1 s, 2
 # beats)), its JOIN, a new generation (PREPARE, READY, COMMIT, gloo's mesh), the current
-# version; measured 0.9-1.9 s, the rest is slack for a loaded machine
+# version (measured: 0.4 s after the link came back, 0.5-2 s after a restarted process
+# announced itself); the rest is slack for a loaded machine
 REJOIN_S = 5.0
+# a test's own bound: seven processes to start (torch imports: 5-30 s each on two cores
+# shared with other jobs), a fault, a restart, everything to stop
+TEST_TIMEOUT_S = 420
 PORT = 29500  # the rendezvous: in the root host's own network namespace, always free
 START_S = 120.0  # a process's start, on a loaded 2-core machine
 
@@ -287,6 +291,7 @@ def test_source_ip_is_the_address_of_the_route():
 
 
 @needs_namespaces
+@pytest.mark.timeout(TEST_TIMEOUT_S)
 def test_every_host_has_its_own_stack_and_every_worker_every_version(deployment, cluster):
     dep = deployment
     dep.start_all()
@@ -370,7 +375,7 @@ def publish_everywhere(dep: Deployment, count: int) -> list[dict]:
 
 
 @needs_namespaces
-@pytest.mark.timeout(240)  # ~15 s to start 7 processes on 2 busy cores, a 5 s outage, the rest
+@pytest.mark.timeout(TEST_TIMEOUT_S)
 def test_link_down_mid_transfer_longer_than_every_timeout_then_back(deployment, cluster):
     dep = deployment
     size_mb = 4.0
@@ -447,7 +452,7 @@ def test_link_down_mid_transfer_longer_than_every_timeout_then_back(deployment, 
 
 
 @needs_namespaces
-@pytest.mark.timeout(240)  # ~15 s to start 7 processes on 2 busy cores, then a restart
+@pytest.mark.timeout(TEST_TIMEOUT_S)
 def test_relay_process_killed_and_restarted(deployment, cluster):
     dep = deployment
     dep.start_all()
@@ -468,12 +473,13 @@ def test_relay_process_killed_and_restarted(deployment, cluster):
     for worker in dep.workers_on("hostc"):
         assert worker.proc.poll() is None and last_applied(worker) == 2
 
-    restarted, restarted_at = time.time(), time.monotonic()
+    restarted = time.time()
     relay = dep.start_relay("hostc")
-    relay.wait_for(lambda r: r.get("event") == "started", START_S)
-    joined = time.time()
+    relay.wait_for(lambda r: r.get("event") == "started", START_S)  # it joined the root
+    joined, joined_at = time.time(), time.monotonic()
     # its bus is a new one: the workers re-join it by themselves, at the current version
-    rejoin = recovered(dep, "hostc", 5, since=restarted)
+    rejoin = recovered(dep, "hostc", 5, since=joined)
+    assert max(rejoin.values()) < REJOIN_S, rejoin
     # the killed relay's bus was still mapped by its workers when the new one opened;
     # once they moved, the new relay's sweep removes it (every 5 s): one bus per host
     shm = cluster.hosts["hostc"].shm
@@ -492,14 +498,14 @@ def test_relay_process_killed_and_restarted(deployment, cluster):
         fault="relay process SIGKILLed, restarted",
         dropped_in_publish_s=round(first["seconds"], 3),
         down_s=round(restarted - killed, 2),
-        restart_to_joined_s=round(joined - restarted, 2),
-        restart_to_workers_s=rejoin,
-        restart_to_old_bus_removed_s=round(swept - restarted_at, 2),
+        process_start_s=round(joined - restarted, 2),
+        joined_to_workers_s=rejoin,
+        joined_to_old_bus_removed_s=round(swept - joined_at, 2),
     )
 
 
 @needs_namespaces
-@pytest.mark.timeout(240)  # ~15 s to start 7 processes on 2 busy cores, then a restart
+@pytest.mark.timeout(TEST_TIMEOUT_S)
 def test_relay_root_killed_and_restarted(deployment, cluster):
     dep = deployment
     dep.start_all()
@@ -519,9 +525,11 @@ def test_relay_root_killed_and_restarted(deployment, cluster):
         assert relay.proc.poll() is None
 
     restarted = time.time()
-    dep.start_root()
+    dep.start_root().wait_for(lambda r: r.get("event") == "started", START_S)
+    started = time.time()
     # both relays re-join the new root by themselves and get the current version
-    rejoin = {h: recovered(dep, h, 4, since=restarted) for h in ("hostb", "hostc")}
+    rejoin = {h: recovered(dep, h, 4, since=started) for h in ("hostb", "hostc")}
+    assert max(max(r.values()) for r in rejoin.values()) < REJOIN_S, rejoin
     publish_everywhere(dep, 2)
     for worker in dep.workers.values():
         wait_until("the last version everywhere", lambda w=worker: last_applied(w) == 6, 10)
@@ -536,5 +544,6 @@ def test_relay_root_killed_and_restarted(deployment, cluster):
         fault="relay root SIGKILLed, restarted",
         publish_while_root_dead_s=[round(record["seconds"], 3), round(gone["seconds"], 3)],
         down_s=round(restarted - killed, 2),
-        restart_to_workers_s=rejoin,
+        process_start_s=round(started - restarted, 2),
+        started_to_workers_s=rejoin,
     )

@@ -40,16 +40,28 @@ RELAY_IFNAME = "eth0"
 STEP_S = 10.0  # deadline of one setup command (ip, tc, mount)
 
 
+# what a host needs, tried in a throwaway namespace (gone when the probe exits): its own
+# name, a tmpfs, a veth pair, a bridge, a shaped link, and setpriv's death signal
+_PROBE = (
+    "hostname zmqsync-probe && mount -t tmpfs -o size=1m zmqsync-probe /dev/shm && "
+    "ip link set lo up && ip link add probe0 type veth peer name probe1 && "
+    "ip link add probebr type bridge && ip link set probe1 master probebr && "
+    "tc qdisc replace dev probe0 root tbf rate 1mbit burst 64kb latency 400ms && "
+    "setpriv --pdeathsig KILL -- true"
+)
+
+
 def unavailable() -> str | None:
-    """Why namespaces cannot be made here; None if they can."""
+    """Why namespace hosts cannot be made here; None if they can."""
     if os.geteuid() != 0:
         return "making network, mount and UTS namespaces needs root (CAP_SYS_ADMIN)"
-    for tool in ("unshare", "nsenter", "setpriv", "ip"):
+    for tool in ("unshare", "nsenter", "setpriv", "ip", "tc"):
         if shutil.which(tool) is None:
             return f"{tool} is not installed (util-linux / iproute2)"
     try:
         probe = subprocess.run(
-            ["unshare", "--net", "--mount", "--uts", "--", "ip", "link", "set", "lo", "up"],
+            ["unshare", "--net", "--mount", "--uts", "--propagation", "private", "--"]
+            + ["sh", "-c", _PROBE],
             capture_output=True,
             text=True,
             timeout=STEP_S,
@@ -57,7 +69,7 @@ def unavailable() -> str | None:
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"unshare failed: {exc}"
     if probe.returncode != 0:
-        return f"cannot make namespaces here: {probe.stderr.strip()[:200]}"
+        return f"cannot make namespace hosts here: {probe.stderr.strip()[:200]}"
     return None
 
 
