@@ -107,13 +107,13 @@ def _pick_batch(model: torch.nn.Module, copy_s: float) -> tuple[int, float]:
 
 
 def _spawn_zmqsync_workers(name: str, n: int) -> list[subprocess.Popen[bytes]]:
-    """N plain alias workers: the `zmqsync worker` command, background apply."""
+    """N plain alias workers: the `zmqsync worker` command, background apply. Their
+    stderr goes to this process's (the harness keeps the tail when a way fails)."""
     cmd = [sys.executable, "-m", "zmqsync", "worker", "--name", name, "--mode", "alias"]
     return [
         subprocess.Popen(
-            [*cmd, "--worker-id", f"bench-{i}", "--timeout", "120", "--json"],
+            [*cmd, "--worker-id", f"{name}-{i}", "--timeout", "180", "--json"],
             stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
         )
         for i in range(n)
     ]
@@ -339,6 +339,154 @@ def _torchrl_way(way: str, model: torch.nn.Module, n: int) -> Iterator[_Publishi
             scheme.shutdown()
 
 
+# --- what a partial and a bf16 publish cost ------------------------------------------------
+
+_RAW_RESPONDER = """
+import sys, zmq
+ctx = zmq.Context()
+sub, push = ctx.socket(zmq.SUB), ctx.socket(zmq.PUSH)
+sub.setsockopt(zmq.SUBSCRIBE, b"")
+sub.connect(sys.argv[1]); push.connect(sys.argv[2])
+me = sys.argv[3].encode()
+while True:
+    if not sub.poll(600_000):
+        break
+    kind, seq = sub.recv_multipart()
+    if kind == b"stop":
+        break
+    push.send_multipart([me, seq])
+"""
+
+
+def _raw_fanout(n: int) -> tuple[Any, list[subprocess.Popen[bytes]], Any]:
+    """A PUB/PULL pair and N plain pyzmq processes echoing on it: the raw round trip."""
+    import tempfile
+
+    import zmq
+
+    from .fanout import Fanout
+
+    ctx = zmq.Context()
+    runtime = tempfile.mkdtemp(prefix="zsraw")
+    fan = Fanout(ctx, runtime, "raw")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _RAW_RESPONDER, fan.events, fan.acks, str(i)],
+            stdout=subprocess.DEVNULL,
+        )
+        for i in range(n)
+    ]
+    fan.connected(n, 180)
+    return fan, procs, ctx
+
+
+def publish_costs(spec: dict[str, Any]) -> dict[str, Any]:
+    """Partial publishes of a 2% adapter of a 1 GB model against one copy of the
+    adapter plus the raw round trip; a bf16-slot publish of a 512 MB float32 model
+    against the float32 one. Each pair interleaved, one sample of each per round."""
+    import zmqsync
+
+    n, rounds = int(spec["workers"]), int(spec.get("rounds", 30))
+    torch.set_num_threads(int(spec.get("threads") or max(1, (os.cpu_count() or 2) // 2)))
+    out: dict[str, Any] = {"workers": n, "rounds": rounds}
+    big = torch.nn.ModuleDict({"backbone": model_for(1000), "adapter": model_for(20)})
+    adapter = [k for k, _ in big.named_parameters() if k.startswith("adapter.")]
+    out["adapter_bytes"] = sum(p.numel() * 4 for p in big.adapter.parameters())
+    out["model_bytes"] = _model_bytes(big)
+    src = [p.detach() for p in big.adapter.parameters()]
+    dst = [torch.empty_like(p) for p in src]
+    fan, raw_procs, ctx = _raw_fanout(n)
+    name = f"adapter-{uuid.uuid4().hex[:8]}"
+    try:
+        with zmqsync.Publisher(big, name=name, timeout=120) as pub:
+            workers = _spawn_zmqsync_workers(name, n)
+            try:
+                if not pub.wait_for_workers(n, timeout=180):
+                    raise RuntimeError(f"only {len(pub.workers)} of {n} workers joined")
+                samples: dict[str, list[float]] = {"partial": [], "copy": [], "raw": [], "full": []}
+                for i in range(rounds + 2):
+                    with torch.no_grad():
+                        for p in big.adapter.parameters():
+                            p.add_(1.0)
+                    t = time.perf_counter()
+                    pub.publish(keys=adapter)
+                    partial = time.perf_counter() - t
+                    t = time.perf_counter()
+                    torch._foreach_copy_(dst, src)
+                    copy = time.perf_counter() - t
+                    raw = fan.round(b"raw", n, 60)
+                    if i >= 2:
+                        samples["partial"].append(partial)
+                        samples["copy"].append(copy)
+                        samples["raw"].append(raw)
+                    if i % 10 == 0:  # a few full versions: the slots reuse, as in training
+                        samples["full"].append(pub.publish().seconds)
+            finally:
+                pub.close()
+                _reap(workers)
+        med = {k: statistics.median(v) for k, v in samples.items()}
+        out.update({f"{k}_p50": v for k, v in med.items()})
+        out["partial_ratio"] = med["partial"] / (med["copy"] + med["raw"])
+        del big, src, dst
+        out.update(_bf16_costs(n, rounds))
+    finally:
+        for _ in raw_procs:
+            fan.pub.send_multipart([b"stop", b"0"])
+        _reap(raw_procs)
+        fan.close()
+        ctx.term()
+    return out
+
+
+def _bf16_costs(n: int, rounds: int) -> dict[str, Any]:
+    import zmqsync
+
+    from .._config import shm_dir
+
+    model = model_for(512)
+    names = {dtype: f"{tag}-{uuid.uuid4().hex[:8]}" for dtype, tag in
+             ((torch.float32, "f32"), (torch.bfloat16, "bf16"))}  # fmt: skip
+    samples: dict[torch.dtype, list[float]] = {torch.float32: [], torch.bfloat16: []}
+    mapped: dict[torch.dtype, int] = {}
+    with contextlib.ExitStack() as stack:
+        pubs = {}
+        workers: list[subprocess.Popen[bytes]] = []
+        stack.callback(_reap, workers)
+        for dtype, name in names.items():
+            pubs[dtype] = stack.enter_context(
+                zmqsync.Publisher(model, name=name, dtype=dtype, timeout=120)
+            )
+            workers += _spawn_zmqsync_workers(name, n)
+        for dtype, pub in pubs.items():
+            if not pub.wait_for_workers(n, timeout=180):
+                raise RuntimeError(f"only {len(pub.workers)} of {n} workers joined")
+            directory = shm_dir()
+            mapped[dtype] = sum(
+                os.path.getsize(os.path.join(directory, f))
+                for f in os.listdir(directory)
+                if names[dtype] in f
+            )
+        for i in range(rounds + 2):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(1.0)
+            for dtype, pub in pubs.items():
+                t = time.perf_counter()
+                pub.publish()
+                if i >= 2:
+                    samples[dtype].append(time.perf_counter() - t)
+        for pub in pubs.values():
+            pub.close()
+    f32, bf16 = (statistics.median(samples[d]) for d in (torch.float32, torch.bfloat16))
+    return {
+        "f32_p50": f32,
+        "bf16_p50": bf16,
+        "bf16_ratio": bf16 / f32,
+        "f32_segment_bytes": mapped[torch.float32],
+        "bf16_segment_bytes": mapped[torch.bfloat16],
+    }
+
+
 def main(argv: list[str]) -> int:
     """Run one way (`argv[0]`: a JSON spec) and print its record as one JSON line."""
     spec = json.loads(argv[0])
@@ -346,7 +494,8 @@ def main(argv: list[str]) -> int:
         import ctypes
 
         ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)
-    print(json.dumps(run_way(spec)), flush=True)
+    record = publish_costs(spec) if spec.get("way") == "costs" else run_way(spec)
+    print(json.dumps(record), flush=True)
     return 0
 
 
@@ -360,10 +509,12 @@ def run_trainer_phase(
     steps: dict[int, int] | None = None,
     ways: tuple[str, ...] = WAYS,
     timeout: float = 900.0,
+    costs: bool = True,
     progress: Callable[[str], None] = lambda what: None,
 ) -> list[dict[str, Any]]:
     """Every way at every size, one process each, sizes outer and ways inner (so a
-    size's ways run close together in time); a way that fails is recorded with why."""
+    size's ways run close together in time); a way that fails is recorded with why.
+    `costs`: then the partial and bf16 publishes (`publish_costs`)."""
     steps = steps or {64: 20, 512: 8}
     root = Path(__file__).resolve().parents[2]
     records = []
@@ -377,6 +528,10 @@ def run_trainer_phase(
                 "steps": steps.get(size_mb, 8),
             }
             records.append(_run_one(spec, root, timeout))
+    if costs:
+        progress("partial and bf16 publishes")
+        spec = {"way": "costs", "size_mb": 1000, "workers": workers}
+        records.append(_run_one(spec, root, timeout))
     return records
 
 
@@ -414,6 +569,27 @@ def targets(records: list[dict[str, Any]]) -> list[tuple[str, str, bool]]:
     """(what, measured, met) per size: overlapped blocked time against sync's, and
     overlapped steps/s against torchrl's collector path."""
     out = []
+    for r in records:
+        if r["way"] == "costs" and r["status"] == "ok":
+            ratio = r["partial_ratio"]
+            out.append(
+                (
+                    "2% adapter of 1 GB, keys= p50 / (adapter copy + raw rt) <= 1.3",
+                    f"{ratio:.2f}x",
+                    ratio <= 1.3,
+                )
+            )
+            ratio = r["bf16_ratio"]
+            out.append(
+                (
+                    "512 MB float32 model, bf16 slots p50 / float32 p50 <= 0.6",
+                    f"{ratio:.2f}x",
+                    ratio <= 0.6,
+                )
+            )
+            half = r["bf16_segment_bytes"] / r["f32_segment_bytes"]
+            out.append(("bf16 segment / float32 segment ~ 0.5", f"{half:.3f}", half <= 0.51))
+    records = [r for r in records if r["way"] != "costs"]
     for size_mb in sorted({r["size_mb"] for r in records}):
         ok = {r["way"]: r for r in records if r["size_mb"] == size_mb and r["status"] == "ok"}
         sync, over, coll = ok.get("sync"), ok.get("overlapped"), ok.get("torchrl-collector")
@@ -450,6 +626,8 @@ def print_trainer_report(records: list[dict[str, Any]], console: Any) -> None:
 
     for r in records:
         ok = r["status"] == "ok"
+        if r["way"] == "costs":
+            continue
         table.add_row(
             f"{r['size_mb']} MB",
             r["way"],
@@ -463,6 +641,17 @@ def print_trainer_report(records: list[dict[str, Any]], console: Any) -> None:
             r["status"],
         )
     console.print(table)
+    for r in records:
+        if r["way"] == "costs" and r["status"] == "ok":
+            console.print(
+                f"keys= (adapter {r['adapter_bytes'] / 2**20:.0f} MiB of "
+                f"{r['model_bytes'] / 2**30:.2f} GiB): p50 {ms(r['partial_p50'])}, adapter "
+                f"copy {ms(r['copy_p50'])}, raw rt {ms(r['raw_p50'])}, full publish "
+                f"{ms(r['full_p50'])}; 512 MB publish p50: float32 {ms(r['f32_p50'])}, "
+                f"bf16 slots {ms(r['bf16_p50'])}"
+            )
+        elif r["way"] == "costs":
+            console.print(f"partial and bf16 publishes: {r['status']}")
     for what, measured, met in targets(records):
         console.print(f"  {'[green]met[/]' if met else '[red]missed[/]'}  {what}: {measured}")
 
@@ -474,7 +663,7 @@ def plot_trainer(records: list[dict[str, Any]], out: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    sizes = sorted({r["size_mb"] for r in records})
+    sizes = sorted({r["size_mb"] for r in records if r["way"] != "costs"})
     fig, ax = plt.subplots(figsize=(8, 4.2))
     width = 0.8 / len(WAYS)
     for i, way in enumerate(WAYS):
