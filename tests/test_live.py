@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -68,3 +71,26 @@ def test_live_refuses_what_it_cannot_share(name):
     with zmqsync.Publisher({"w": torch.zeros(4)}, name=name, live=True) as pub:
         with pytest.raises(ValueError, match="fill"):
             pub.publish(fill=lambda flat: None)
+
+
+def test_bench_times_live_publishes_beside_torchrl(bus_dirs):
+    """`zmqsync bench`'s live points: a publisher over a bench model, alias workers."""
+    spec = {
+        "workers": 2,
+        "connect_timeout": 60,
+        "start_method": "forkserver",
+        "points": [
+            {"key": "4M", "kind": "mlp", "nbytes": 4 << 20, "variant": "collector", "iters": 8,
+             "warmup": 1, "min_iters": 3, "max_seconds": 5},
+        ],
+    }  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "zmqsync._bench.live", json.dumps(spec)],
+        capture_output=True, text=True, timeout=150, check=True,
+    ).stdout  # fmt: skip
+    records = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    point = next(r for r in records if r["event"] == "point")
+    assert point["key"] == "4M" and "error" not in point, point
+    assert len(point["lat"]) == 8 and max(point["lat"]) < 5.0
+    assert records[-1]["event"] == "done"
+    assert not os.listdir(bus_dirs[1])

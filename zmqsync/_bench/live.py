@@ -125,7 +125,9 @@ def main(argv: list[str]) -> int:
         ready, stop = ctx.Queue(), ctx.Event()
         procs = []
         try:
-            with Publisher(trainer, name=name, live=True, timeout=timeout) as pub:
+            # heartbeat: torchrl's receivers have none to miss; a loaded host can stall an
+            # alias worker mapping a big segment for seconds without it being dead
+            with Publisher(trainer, name=name, live=True, timeout=timeout, heartbeat=2.0) as pub:
                 procs = [
                     ctx.Process(target=_receiver, args=(name, timeout, ready, stop), daemon=True)
                     for _ in range(n)

@@ -282,8 +282,8 @@ class ZmqWeightSyncScheme(WeightSyncScheme):  # type: ignore[misc]
             self._shm_dir = resolve_shm_dir(self._shm_dir)
             self._worker_id = self._worker_id or default_worker_id()
             return
-        if params_map is not None and any(x is not None for x in (model_id, model, weights)):
-            raise ValueError("params_map= comes alone: no model_id=, model= or weights=")
+        if params_map is not None and (model is not None or weights is not None):
+            raise ValueError("params_map= gives the weights: no model= or weights= with it")
         source, shared = self._sources(context, model, weights, params_map)
         self._name = self._name or _generated_name(self.model_id)
         self._shm_dir = resolve_shm_dir(self._shm_dir)
@@ -325,7 +325,7 @@ class ZmqWeightSyncScheme(WeightSyncScheme):  # type: ignore[misc]
                     f"{type(found).__name__}, not a module with weights; a policy without "
                     "weights (e.g. RandomPolicy) needs no weight sync scheme"
                 )
-            source, shared = found, True
+            source, shared = found, _workers_on_cpu(context)
         if not self.per_worker_weights:
             return source, shared
         count = getattr(context, "num_workers", None)
@@ -711,6 +711,15 @@ def _find_model(context: Any, model_id: str) -> Any:
             return {i: f() for i, f in enumerate(factories) if f is not None}
         model = factories[0]() if factories and factories[0] is not None else None
     return model
+
+
+def _workers_on_cpu(context: Any) -> bool:
+    """Whether every worker of the collector computes on the CPU (alias needs it)."""
+    devices = getattr(context, "policy_device", None)
+    if devices is None:
+        return True
+    devices = devices if isinstance(devices, list | tuple) else [devices]
+    return all(d is None or torch.device(d).type == "cpu" for d in devices)
 
 
 def _check_params_map(params_map: Any) -> dict[int, TensorDictBase]:
