@@ -142,6 +142,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--trainer-workers", type=int, default=8, help="trainer phase alias workers (default 8)"
     )
+    p.add_argument(
+        "--no-trainer-costs",
+        action="store_true",
+        help="trainer phase without the partial (1 GB model) and bf16 (512 MB) publishes",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
@@ -235,6 +240,7 @@ def _run_trainer(args: argparse.Namespace, out: Path, plot_it: bool) -> int:
             sizes_mb=tuple(args.trainer_sizes),
             workers=args.trainer_workers,
             ways=ways,
+            costs=not args.no_trainer_costs,
             progress=(lambda what: console.print(what)) if console else (lambda what: None),
         )
     out.mkdir(parents=True, exist_ok=True)
