@@ -398,9 +398,9 @@ class Publisher:
             cast = self._layout is not self._source_layout
             slots = self._slots = Slots(self._layout, segment, cuda, cast=cast)
             slots.write(0, 0, flatten(self._source), mirror=False)
-            if self._live:
-                self._moved = _move_into(self._source, slots.views(0))
+            if self._live:  # undone on close, or if a later step fails
                 stack.callback(self._move_out)
+                _move_into(self._source, slots.views(0), self._moved)
             self._registry.record(0, 0)
             self._role.cuda = slots.cuda
             self._shared.buffers = slots.describe()
@@ -926,16 +926,17 @@ def _trainer_tensors(weights: Any) -> dict[Key, torch.Tensor]:
     return dict(zip(keys, weights.values(), strict=True))
 
 
-def _move_into(weights: Any, views: Mapping[Key, torch.Tensor]) -> list[tuple[torch.Tensor, int]]:
+def _move_into(
+    weights: Any, views: Mapping[Key, torch.Tensor], moved: list[tuple[torch.Tensor, int]]
+) -> None:
     """Live: each trainer tensor's storage becomes its view in the slot (which holds its
-    values already); a Parameter stays the same object, so optimizers keep working."""
-    moved = []
+    values already); a Parameter stays the same object, so optimizers keep working.
+    `moved` lists each one as it goes, so that a failure half-way is undone too."""
     with torch.no_grad():
         for key, tensor in _trainer_tensors(weights).items():
             view = views[key]
             tensor.data = view
             moved.append((tensor, view.data_ptr()))
-    return moved
 
 
 def _copy_unless_same(flat: Mapping[Key, torch.Tensor], views: Mapping[Key, torch.Tensor]) -> None:

@@ -377,7 +377,8 @@ class ZmqWeightSyncScheme(WeightSyncScheme):  # type: ignore[misc]
         Args:
             weights: None (re-read the model the bus was started over), a module, a
                 TensorDict or a state_dict with the same keys, shapes and dtypes, or the
-                name of a model of the collector.
+                name of a model of the collector; with per-worker weights also
+                ``{worker_idx: weights}`` (each listed worker gets its own).
             worker_ids: torchrl worker indices (or zmqsync worker ids) that must apply
                 this version before ``send`` returns; the others receive it too.
 
