@@ -291,6 +291,7 @@ def test_source_ip_is_the_address_of_the_route():
 
 
 @needs_namespaces
+@pytest.mark.slow
 @pytest.mark.timeout(TEST_TIMEOUT_S)
 def test_every_host_has_its_own_stack_and_every_worker_every_version(deployment, cluster):
     dep = deployment
@@ -375,6 +376,7 @@ def publish_everywhere(dep: Deployment, count: int) -> list[dict]:
 
 
 @needs_namespaces
+@pytest.mark.slow
 @pytest.mark.timeout(TEST_TIMEOUT_S)
 def test_link_down_mid_transfer_longer_than_every_timeout_then_back(deployment, cluster):
     dep = deployment
@@ -452,6 +454,7 @@ def test_link_down_mid_transfer_longer_than_every_timeout_then_back(deployment, 
 
 
 @needs_namespaces
+@pytest.mark.slow
 @pytest.mark.timeout(TEST_TIMEOUT_S)
 def test_relay_process_killed_and_restarted(deployment, cluster):
     dep = deployment
@@ -505,6 +508,7 @@ def test_relay_process_killed_and_restarted(deployment, cluster):
 
 
 @needs_namespaces
+@pytest.mark.slow
 @pytest.mark.timeout(TEST_TIMEOUT_S)
 def test_relay_root_killed_and_restarted(deployment, cluster):
     dep = deployment

@@ -287,6 +287,7 @@ class Cluster:
         except BaseException:
             self.close()
             raise
+        self._etc.cleanup()  # bind-mounted in every host already: nothing left if we die
 
     def _add(self, hostname: str, shm_mb: int) -> Host:
         host = Host(hostname, shm_mb=shm_mb, etc_hosts=self.etc_hosts)
