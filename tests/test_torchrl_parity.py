@@ -7,9 +7,9 @@ with ``ZmqWeightSyncScheme`` bound to that name. A parametrized case keeps only 
 shared-memory-scheme parameters (its ``None``/``MultiProcessWeightSyncScheme`` variants
 construct no such scheme). Upstream's marks apply: ``skipif`` (GPU-only cases skip on a
 CPU machine) and ``flaky(reruns=n)``, honoured here by running a failed case up to n
-more times. After each case the collector it dropped is garbage-collected: torchrl
-never shuts a scheme down, and the fixtures check that no bus, thread or segment is
-left behind.
+more times (and `KNOWN_FLAKY`: one case that is flaky with both schemes). After each
+case the collector it dropped is garbage-collected: torchrl never shuts a scheme down,
+and the fixtures check that no bus, thread or segment is left behind.
 
 Not run, and why (also in docs/torchrl.md):
 
@@ -29,8 +29,11 @@ import dataclasses
 import functools
 import gc
 import itertools
+import multiprocessing as mp
+import os
 import time
 import warnings
+from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
 
@@ -42,6 +45,7 @@ with warnings.catch_warnings():
     from tests.torchrl_cases import with_torchrl, with_zmqsync
 
 VARIANTS: dict[str, ModuleType] = {"torchrl": with_torchrl, "zmqsync": with_zmqsync}
+PRELOAD = [module.__name__ for module in VARIANTS.values()]
 CLASSES = (
     "TestMakePolicyFactory",
     "TestCollectorGeneric",
@@ -53,6 +57,9 @@ CLASSES = (
 # parameters that choose the scheme: only the shared-memory choice constructs it
 SCHEME_PARAMS = ("weight_sync_scheme", "weight_sync_scheme_cls", "weight_updater")
 CASE_TIMEOUT_S = 240
+# Fails now and then under CPU load with either scheme: a batch that straddles the update
+# can arrive after the first wholly updated one (docs/torchrl.md explains). Retried.
+KNOWN_FLAKY = {("TestPolicyVersion", "test_multi_collector_bumps_on_update", "multi_async"): 2}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,17 +135,51 @@ def _cases(variant: str) -> list[Any]:
             for combo in itertools.product(*axes):
                 kwargs = {k: v for params, _ in combo for k, v in params.items()}
                 ids = "-".join(label for _, label in combo)
+                reruns = flaky.kwargs.get("reruns", 0) if flaky else 0
+                for (c, m, label), more in KNOWN_FLAKY.items():
+                    if (c, m) == (cls_name, method) and label in ids.split("-"):
+                        reruns = max(reruns, more)
                 case = Case(
                     variant,
                     cls_name,
                     method,
                     tuple(kwargs.items()),
-                    reruns=flaky.kwargs.get("reruns", 0) if flaky else 0,
+                    reruns=reruns,
                     reruns_delay=flaky.kwargs.get("reruns_delay", 0.0) if flaky else 0.0,
                 )
                 case_id = f"{variant}-{cls_name}.{method}" + (f"[{ids}]" if ids else "")
                 found.append(pytest.param(case, id=case_id, marks=pytest_marks))
     return found
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _preloaded_workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """torchrl's workers start from a forkserver that imported torch and torchrl once.
+
+    torchrl starts workers with ``spawn`` unless a start method was set
+    (``mp.set_start_method``), and a spawned worker imports torch and torchrl again: about
+    5 s of CPU each, most of this module's time on 2 cores. A forkserver child is as fresh
+    (it forks from a clean server, not from pytest); only the imports are shared. The
+    server's environment is fixed when it starts, so it gets dirs of its own.
+    """
+    from multiprocessing import forkserver
+
+    before = mp.get_start_method(allow_none=True)
+    mp.set_start_method("forkserver", force=True)
+    mp.set_forkserver_preload(["torch", "tensordict", "torchrl", *PRELOAD])
+    env = {"ZMQSYNC_RUNTIME_DIR": str(tmp_path_factory.mktemp("forkserver-runtime"))}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        forkserver.ensure_running()
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    yield
+    mp.set_start_method(before, force=True)
 
 
 @pytest.mark.timeout(CASE_TIMEOUT_S)
