@@ -292,3 +292,40 @@ def test_alias_readers_never_see_a_torn_version_with_overlapped_publishes(spawn,
         s = r.summary()
         assert s["bad"] == 0 and s["torn"] == 0, f"a reader saw a mix of two versions: {s}"
         assert s["reads"] > 100 and s["versions"] > 5, s
+
+
+def test_skip_unchanged_publishes_what_the_version_counters_say_moved(name, caplog):
+    """Only layer 0 trains: its tensors go out, the others are not copied (a copy worker's
+    local garbage in them survives). A write through .data moves no counter: True
+    misses it (as documented), "verify" finds it, publishes it and says so."""
+    trainer = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    opt = torch.optim.SGD(trainer[0].parameters(), lr=0.1)
+    with zmqsync.Publisher(trainer, name=name, skip_unchanged=True, timeout=30) as pub:
+        local = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+        with zmqsync.Subscriber(name=name, model=local, mode="copy", timeout=30) as sub:
+            with torch.no_grad():
+                local[1].bias.fill_(float("nan"))
+            trainer(torch.randn(4, 8)).sum().backward()
+            opt.step()
+            pub.publish()
+            assert sub.wait_for_version(1, timeout=30)
+            assert torch.equal(local[0].weight, trainer[0].weight)
+            assert torch.isnan(local[1].bias).all(), "an unchanged tensor was copied"
+            trainer[1].bias.data.add_(1.0)  # no version counter moves
+            pub.publish()
+            assert sub.wait_for_version(2, timeout=30)
+            assert torch.isnan(local[1].bias).all()
+    caplog.clear()
+    with zmqsync.Publisher(trainer, name=name, skip_unchanged="verify", timeout=30) as pub:
+        local = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+        with zmqsync.Subscriber(name=name, model=local, mode="copy", timeout=30) as sub:
+            trainer[1].bias.data.add_(1.0)
+            pub.publish()
+            assert sub.wait_for_version(1, timeout=30)
+            assert torch.equal(local[1].bias, trainer[1].bias)
+            assert "1.bias" in caplog.text and "without their version counter" in caplog.text
+            pub.publish()  # nothing changed: a version that copies nothing
+            assert sub.wait_for_version(2, timeout=30)
+            assert digest(flatten(local)) == digest(flatten(trainer))
+    with pytest.raises(ValueError, match="skip_unchanged"):
+        zmqsync.Publisher(trainer, name=name, skip_unchanged="sometimes")

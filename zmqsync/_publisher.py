@@ -73,6 +73,7 @@ from ._slots import Slots
 from ._sockets import (
     connect,
 )
+from ._text import printable
 
 __all__ = ["DEFAULT", "Publish", "Publisher"]
 
@@ -228,6 +229,12 @@ class Publisher:
         dtype: the dtype the slots hold floating-point tensors in (e.g. torch.bfloat16
             for a float32 trainer: half the bytes written, mapped and copied); the
             trainer's tensors are cast on the way. None: as they are.
+        skip_unchanged: False (default): a publish without ``keys=`` writes every
+            tensor. True: only tensors whose torch version counter moved since the last
+            publish (a partial publish chosen for you); writes that bypass the counter
+            (through ``.data``, numpy views, another process) are not seen. "verify":
+            the same, and every skipped tensor is compared byte for byte with the last
+            version; one that differs is published anyway, with a warning.
         live: move the trainer's tensors into the shared segment (one slot): their
             storage becomes a view of it, alias-mode workers see every in-place change
             at once, and a publish only announces a version (no copy, at any size).
@@ -254,6 +261,7 @@ class Publisher:
         handshake_rate: float = 200.0,
         optimizer: torch.optim.Optimizer | Iterable[torch.optim.Optimizer] | None = None,
         dtype: torch.dtype | None = None,
+        skip_unchanged: bool | str = False,
         live: bool = False,
     ) -> None:
         self.name = _config.check_name(name)
@@ -298,6 +306,13 @@ class Publisher:
         )
         if isinstance(optimizer, torch.optim.Optimizer):
             optimizer = (optimizer,)
+        if skip_unchanged not in (False, True, "verify"):
+            raise ValueError(
+                f'skip_unchanged must be False, True or "verify", not {skip_unchanged!r}'
+            )
+        self._skip_unchanged = skip_unchanged
+        # per tensor: (address, torch version counter) when it was last published
+        self._published_at: dict[Key, tuple[int, int]] = {}
         self._optimizers = tuple(optimizer or ())
         self._guard: StepGuard | None = None  # with optimizers, once started
         self._writer: Writer | None = None
@@ -397,7 +412,10 @@ class Publisher:
             ]
             cast = self._layout is not self._source_layout
             slots = self._slots = Slots(self._layout, segment, cuda, cast=cast)
-            slots.write(0, 0, flatten(self._source), mirror=False)
+            initial = flatten(self._source)
+            slots.write(0, 0, initial, mirror=False)
+            if self._skip_unchanged:
+                self._note_published(initial, None)
             if self._live:  # undone on close, or if a later step fails
                 stack.callback(self._move_out)
                 _move_into(self._source, slots.views(0), self._moved)
@@ -558,6 +576,8 @@ class Publisher:
             raise ValueError("a live publisher's slot holds the trainer's tensors: no fill=")
         reads = fill is None and not (self._live and weights is None)
         flat = self._read(weights, named) if reads else {}
+        if self._skip_unchanged and named is None and reads:
+            named = self._written_since(flat)
         if slot is not None and fill is None:
             raise ValueError("slot= needs fill=: the slot's bytes are yours to write")
         with self._publish_lock:
@@ -581,6 +601,8 @@ class Publisher:
                     self._write(slot, version, flat, named, fill)
                     self._record(version, slot)
                 self._announce(version, slot, named)
+            if self._skip_unchanged and reads:
+                self._note_published(flat, named)
         handle = Publish(self._ledger, version, targets, started, pending)
         log.debug("published v%d into slot %d for %d workers", version, slot, len(targets))
         if wait:
@@ -653,6 +675,34 @@ class Publisher:
         else:  # a partial publish from tensors of only the named keys
             self._source_layout.check_keys(flat, named)
         return flat
+
+    def _written_since(self, flat: dict[Key, torch.Tensor]) -> frozenset[Key] | None:
+        """With skip_unchanged: the tensors written since they were last published, by
+        their torch version counters (None: all of them). "verify" also compares the
+        others with the latest version and adds those that differ."""
+        seen = self._published_at
+        moved = {k for k, t in flat.items() if seen.get(k) != _stamp(t)}
+        if self._skip_unchanged == "verify" and len(moved) < len(flat):
+            assert self._slots is not None
+            with self._write_lock:
+                latest = self._slots.latest_views()
+                missed = sorted(
+                    k for k, t in flat.items() if k not in moved and not _same(t, latest[k])
+                )
+            if missed:
+                names = ", ".join(printable(".".join(k)) for k in missed[:5])
+                log.warning(
+                    "publisher %r: %d tensors changed without their version counter moving "
+                    "(%s%s); published them anyway. Written through .data or a numpy view? "
+                    "skip_unchanged=True would have missed them",
+                    self.name, len(missed), names, ", ..." if len(missed) > 5 else "",
+                )  # fmt: skip
+                moved.update(missed)
+        return None if len(moved) == len(flat) else frozenset(moved)
+
+    def _note_published(self, flat: dict[Key, torch.Tensor], named: frozenset[Key] | None) -> None:
+        for key in flat if named is None else named:
+            self._published_at[key] = _stamp(flat[key])
 
     def _reserved(self, slot: int) -> int:
         with self._cond:
@@ -905,6 +955,22 @@ class Publisher:
             cmd = b"evict %s %s" % (member.session.encode(), member.worker_id.encode())
             self._agent.command(cmd)  # type: ignore[union-attr]
         self._cond.notify_all()
+
+
+def _stamp(tensor: torch.Tensor) -> tuple[int, int]:
+    """Where a tensor's bytes are and how often torch saw them written in place."""
+    return tensor.data_ptr(), tensor._version  # noqa: SLF001 - torch's version counter
+
+
+def _same(source: torch.Tensor, slot_view: torch.Tensor) -> bool:
+    """Whether `source` holds, byte for byte, what the slot holds (cast as the slot is);
+    a CUDA tensor counts as changed (its slot copy is on the device)."""
+    if source.device.type != "cpu" or slot_view.device.type != "cpu":
+        return False
+    value = source.detach().to(slot_view.dtype).reshape(-1)
+    if value.dtype == torch.bool:
+        return torch.equal(value, slot_view.reshape(-1))
+    return torch.equal(value.view(torch.uint8), slot_view.reshape(-1).view(torch.uint8))
 
 
 def _cast(flat: dict[Key, torch.Tensor], dtype: torch.dtype) -> dict[Key, torch.Tensor]:

@@ -85,6 +85,10 @@ class Slots:
         """Whether some tensors live in CUDA buffers."""
         return bool(self._cuda)
 
+    def latest_views(self) -> dict[Key, torch.Tensor]:
+        """The CPU views of the slot that holds the latest version."""
+        return self._views[self._latest_slot]
+
     def views(self, slot: int) -> dict[Key, torch.Tensor]:
         """Every tensor of `slot` in the CPU segment (CUDA tensors: their CPU copies)."""
         return self._views[slot]
