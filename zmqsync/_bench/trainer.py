@@ -46,6 +46,9 @@ import torch
 WAYS = ("none", "sync", "overlapped", "torchrl-collector", "torchrl-own")
 WIDTH = 1024  # each layer a 1024x1024 Linear: 4 MiB and 2 tensors
 SIZES_MB = (64, 512)
+# Workers silent for ~6 beats are dropped: on a loaded 2-core host an idle worker can
+# wait seconds for a CPU while the trainer saturates both, so beats are slower here.
+HEARTBEAT_S = 2.0
 
 
 def model_for(size_mb: int) -> torch.nn.Sequential:
@@ -218,13 +221,14 @@ class _Publishing:
     def __init__(self, call: Callable[[list[float], list[float]], None]) -> None:
         self._call = call
         self.finish: Callable[[list[float], list[float]], None] = lambda b, a: None
+        self.incomplete = 0  # publishes that some worker did not ack (dropped, evicted)
 
     def __call__(self, blocked: list[float], to_ack: list[float]) -> None:
         self._call(blocked, to_ack)
 
-    @staticmethod
-    def summary(blocked: list[float], to_ack: list[float]) -> dict[str, Any]:
+    def summary(self, blocked: list[float], to_ack: list[float]) -> dict[str, Any]:
         return {
+            "incomplete_publishes": self.incomplete,
             "blocked_p50": statistics.median(blocked),
             "blocked_mean": statistics.fmean(blocked),
             "blocked_max": max(blocked),
@@ -240,7 +244,9 @@ def _zmqsync_way(
 
     name = f"trainer-{uuid.uuid4().hex[:8]}"
     optimizer = opt if way == "overlapped" else None
-    with zmqsync.Publisher(model, name=name, optimizer=optimizer, timeout=120) as pub:
+    with zmqsync.Publisher(
+        model, name=name, optimizer=optimizer, timeout=120, heartbeat=HEARTBEAT_S
+    ) as pub:
         workers = _spawn_zmqsync_workers(name, n)
         try:
             if not pub.wait_for_workers(n, timeout=180):
@@ -252,8 +258,10 @@ def _zmqsync_way(
                     handle = pub.publish()
                     blocked.append(time.perf_counter() - t)
                     to_ack.append(handle.seconds)
+                    publishing.incomplete += bool(handle.missing)
 
-                yield _Publishing(publish)
+                publishing = _Publishing(publish)
+                yield publishing
             else:
                 watch = _AckWatch()
                 handles: list[Any] = []
@@ -269,6 +277,7 @@ def _zmqsync_way(
                     # read now: a handle's step-hook wait is known once the next step ran
                     blocked.extend(h.blocked for h in handles)
                     to_ack.extend(watch.seconds)
+                    publishing.incomplete = sum(bool(h.missing) for h in handles)
 
                 publishing = _Publishing(publish)
                 publishing.finish = finish
@@ -398,7 +407,7 @@ def publish_costs(spec: dict[str, Any]) -> dict[str, Any]:
     fan, raw_procs, ctx = _raw_fanout(n)
     name = f"adapter-{uuid.uuid4().hex[:8]}"
     try:
-        with zmqsync.Publisher(big, name=name, timeout=120) as pub:
+        with zmqsync.Publisher(big, name=name, timeout=120, heartbeat=HEARTBEAT_S) as pub:
             workers = _spawn_zmqsync_workers(name, n)
             try:
                 if not pub.wait_for_workers(n, timeout=180):
@@ -454,7 +463,7 @@ def _bf16_costs(n: int, rounds: int) -> dict[str, Any]:
         stack.callback(_reap, workers)
         for dtype, name in names.items():
             pubs[dtype] = stack.enter_context(
-                zmqsync.Publisher(model, name=name, dtype=dtype, timeout=120)
+                zmqsync.Publisher(model, name=name, dtype=dtype, timeout=120, heartbeat=HEARTBEAT_S)
             )
             workers += _spawn_zmqsync_workers(name, n)
         for dtype, pub in pubs.items():
