@@ -211,8 +211,9 @@ class _Version:
 class Summary:
     """Per-version view: publish → each worker's ack latency, missing workers, gaps, rate."""
 
-    def __init__(self, workers: set[str]) -> None:
+    def __init__(self, workers: set[str], *, acks_visible: bool = True) -> None:
         self.workers = set(workers)
+        self.acks_visible = acks_visible  # False: the events socket only, no tap
         self.versions: dict[int, _Version] = {}
         self.last_seq: int | None = None
         self.gaps = 0
@@ -266,7 +267,8 @@ class Summary:
         if n > 1 and self.first is not None and self.last is not None and self.last > self.first:
             rate = f", {(n - 1) / (self.last - self.first):.1f} publishes/s"
         complete = sum(1 for v in self.versions.values() if v.expected <= set(v.acks))
+        acked = f"{complete} fully acked" if self.acks_visible else "acks not visible without a tap"
         return (
-            f"{n} versions seen ({complete} fully acked){rate}, {self.gaps} sequence gaps, "
+            f"{n} versions seen ({acked}){rate}, {self.gaps} sequence gaps, "
             f"{self.invalid} invalid frames"
         )

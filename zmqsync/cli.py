@@ -505,7 +505,9 @@ def cmd_sniff(args: argparse.Namespace) -> int:
                     "or ZMQSYNC_TAP=1); showing the events socket only: no acks, no hellos"
                 )
             records = sniffer.records(Deadline(args.duration), stop)
-            summary = Summary({w.worker_id for w in state.workers})
+            summary = Summary(
+                {w.worker_id for w in state.workers}, acks_visible=not sniffer.fallback
+            )
         recording = stack.enter_context(open(args.record, "wb")) if args.record else None
         stack.enter_context(_signals_set(stop))  # from here on a signal ends the loop
         shown = 0
