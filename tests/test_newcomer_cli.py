@@ -210,6 +210,43 @@ def test_worker_says_when_the_publisher_goes_and_comes_back(spawn, name):
     assert main(["gc"]) == 0
 
 
+def test_worker_human_output_when_the_publisher_goes_and_comes_back(spawn, name, tmp_path):
+    hb = ("--heartbeat", "0.1")
+    first = _trainer(spawn, name, "--updates", "0", "--interval", "0.05", *hb)
+    _started(first)
+    log = tmp_path / "worker.out"
+    with open(log, "w") as out:
+        worker = subprocess.Popen(
+            [sys.executable, "-m", "zmqsync", "worker", "--name", name, "--timeout", "60"],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+        )
+    try:
+
+        def printed(pattern: str) -> None:
+            end = time.monotonic() + 60
+            while not re.search(pattern, log.read_text(), re.M):
+                assert worker.poll() is None and time.monotonic() < end, log.read_text()
+                time.sleep(0.1)
+
+        printed(r"^applied version \d+$")
+        first.proc.send_signal(signal.SIGKILL)
+        printed(r"went silent; still computing with version \d+; waiting for a publisher")
+        second = _trainer(spawn, name, "--updates", "3", "--interval", "0.1", *hb)
+        printed(r"^re-joined a new publisher \(bus id [0-9a-f]+\): version \d+$")
+        second.wait_for(lambda r: r.get("event") == "done", timeout=60)
+        assert worker.wait(30) == 0, log.read_text()
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait(10)
+    lines = log.read_text().splitlines()
+    assert lines[-2] == f"the publisher at {_config.default_address(name)} closed the bus"
+    assert re.fullmatch(r"worker \S+: applied \d+ versions \(last 3\)", lines[-1]), lines
+    assert main(["gc"]) == 0  # the killed trainer's segment
+
+
 def test_worker_human_output_says_joined_each_version_and_the_summary(spawn, name):
     # the trainer waits for the worker, then publishes versions 1..40 and closes the bus:
     # the worker's lines are known exactly, however slow its start
