@@ -63,7 +63,7 @@ def model_for(size_mb: int) -> torch.nn.Sequential:
 
 
 def _model_bytes(model: torch.nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+    return sum(int(p.numel()) * p.element_size() for p in model.parameters())
 
 
 def _copy_seconds(model: torch.nn.Module) -> float:
@@ -398,11 +398,12 @@ def publish_costs(spec: dict[str, Any]) -> dict[str, Any]:
     n, rounds = int(spec["workers"]), int(spec.get("rounds", 30))
     torch.set_num_threads(int(spec.get("threads") or max(1, (os.cpu_count() or 2) // 2)))
     out: dict[str, Any] = {"workers": n, "rounds": rounds}
-    big = torch.nn.ModuleDict({"backbone": model_for(1000), "adapter": model_for(20)})
+    head = model_for(20)
+    big = torch.nn.ModuleDict({"backbone": model_for(1000), "adapter": head})
     adapter = [k for k, _ in big.named_parameters() if k.startswith("adapter.")]
-    out["adapter_bytes"] = sum(p.numel() * 4 for p in big.adapter.parameters())
+    out["adapter_bytes"] = _model_bytes(head)
     out["model_bytes"] = _model_bytes(big)
-    src = [p.detach() for p in big.adapter.parameters()]
+    src = [p.detach() for p in head.parameters()]
     dst = [torch.empty_like(p) for p in src]
     fan, raw_procs, ctx = _raw_fanout(n)
     name = f"adapter-{uuid.uuid4().hex[:8]}"
@@ -415,7 +416,7 @@ def publish_costs(spec: dict[str, Any]) -> dict[str, Any]:
                 samples: dict[str, list[float]] = {"partial": [], "copy": [], "raw": [], "full": []}
                 for i in range(rounds + 2):
                     with torch.no_grad():
-                        for p in big.adapter.parameters():
+                        for p in head.parameters():
                             p.add_(1.0)
                     t = time.perf_counter()
                     pub.publish(keys=adapter)
