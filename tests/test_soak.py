@@ -15,7 +15,7 @@ import pytest
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(480)  # up to 180 s for the trainer to start on a loaded host, 45 s of faults
 def test_short_soak(tmp_path):
     out = tmp_path / "soak.json"
     run = subprocess.run(
@@ -33,7 +33,7 @@ def test_short_soak(tmp_path):
         ],
         capture_output=True,
         text=True,
-        timeout=280,
+        timeout=450,
     )
     assert out.exists(), run.stdout[-3000:] + run.stderr[-3000:]
     result = json.loads(out.read_text())

@@ -38,6 +38,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT_S = 3.0  # the trainer's publish deadline
 HEARTBEAT_S = 0.2
+START_S = 180.0  # a process's start (torch's import) on a loaded 2-core host
 
 
 class Child:
@@ -237,6 +238,14 @@ class Soak:
         self.start_trainer()
         for i in range(self.args.workers):
             self.start_worker(f"s{i}")
+        # The clock starts once the trainer is up: importing torch takes seconds on a
+        # loaded host, and a soak whose duration passed before its first publish soaked
+        # nothing (it reported 0 publishes and 0 hangs).
+        ready_by = time.monotonic() + START_S
+        while not self.armed and time.monotonic() < ready_by:
+            time.sleep(0.1)
+        if not self.armed:
+            self.counts["trainer_never_started"] += 1
         end = time.monotonic() + self.args.duration
         columns = (
             TextColumn("[bold]soak"),
@@ -319,7 +328,9 @@ class Soak:
             "publish_max_ms": lat[-1] * 1e3,
             "publish_timeouts_evicted": self.counts["publish_timeouts"],
             "torn_reads_detected": self.counts["torn_detected"],
-            "hangs": self.counts["hangs"] + self.counts["overran"],
+            "hangs": self.counts["hangs"]
+            + self.counts["overran"]
+            + self.counts["trainer_never_started"],
             "behind_at_end": behind,
             "torn_or_wrong": self.counts["torn_or_wrong"] + self.counts["version_went_back"],
             "left_after_close": len(left),
