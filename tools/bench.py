@@ -1,7 +1,7 @@
 """The benchmarks: `zmqsync bench` with plots, or plots/markdown from a past run.
 
     python tools/bench.py                       # the full grid, then plots (needs matplotlib)
-    python tools/bench.py --quick --out /tmp/q  # the quick grid (under 2 minutes)
+    python tools/bench.py --quick --out /tmp/q  # the quick grid (a few minutes; 4 on 2 busy cores)
     python tools/bench.py --replot DIR          # redraw DIR/results.json's plots into DIR
     python tools/bench.py --markdown DIR        # print the tables of docs/benchmarks.md
 
