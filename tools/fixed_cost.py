@@ -91,11 +91,39 @@ def _reap(procs: list[subprocess.Popen[bytes]], timeout: float = 10.0) -> None:
             proc.wait(5)
 
 
-def _serve(round_once: Any) -> None:
-    """Answer the orchestrator: one round per ``go`` line, until ``quit``."""
+def _cpu(pid: int | str) -> dict[str, float]:
+    """CPU seconds a process has run (schedstat: nanoseconds), by thread: ``main``,
+    ``zmq`` (libzmq's I/O threads), ``other`` (a subscriber's agent, the publisher's)."""
+    out = {"main": 0.0, "zmq": 0.0, "other": 0.0}
+    pid = os.getpid() if pid == "self" else int(pid)
+    with contextlib.suppress(OSError):
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError):
+                with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                    ns = int(f.read().split()[0])
+                with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                    comm = f.read()
+                kind = "main" if int(tid) == pid else "zmq" if comm.startswith("ZMQbg") else "other"
+                out[kind] += ns / 1e9
+    return out
+
+
+def _cpu_of(pids: list[int]) -> dict[str, float]:
+    out = {"main": 0.0, "zmq": 0.0, "other": 0.0}
+    for pid in pids:
+        for kind, seconds in _cpu(pid).items():
+            out[kind] += seconds
+    return out
+
+
+def _serve(round_once: Any, workers: list[int]) -> None:
+    """Answer the orchestrator: one round per ``go`` line, the CPU spent so far per
+    ``cpu`` line (this process, and its workers together), until ``quit``."""
     for line in sys.stdin:
         if line.strip() == "go":
             _say(**round_once())
+        elif line.strip() == "cpu":
+            _say(trainer=_cpu("self"), workers=_cpu_of(workers))
         elif line.strip() == "quit":
             return
 
@@ -178,7 +206,7 @@ def raw_trainer(n: int, runtime: str) -> int:
             raise SystemExit(f"only {got} of {n} raw workers answered")
         return {"raw": seconds}
 
-    _serve(round_once)
+    _serve(round_once, [p.pid for p in procs])
     pub.send(b"quit")
     _reap(procs)
     ctx.destroy(linger=0)
@@ -238,7 +266,7 @@ def zmqsync_trainer(n: int, mode: str, idle: str) -> int:
             pub.publish()
             return {"zmqsync": time.perf_counter() - t0}
 
-        _serve(round_once)
+        _serve(round_once, [p.pid for p in procs])
     finally:
         pub.close()  # STOP: the workers' main threads see `stopped` and exit
         _reap(procs, 30.0)
@@ -284,7 +312,7 @@ def harness_trainer(n: int, mode: str) -> int:
             pub.publish()
             return {"harness": time.perf_counter() - t0, "harness-raw": raw}
 
-        _serve(round_once)
+        _serve(round_once, [w.proc.pid for w in pool.workers])
     finally:
         pub.close()
         pool.close()
@@ -311,6 +339,7 @@ class Side:
         )
         self.samples: dict[str, list[float]] = {}
         self.info: dict[str, Any] = {}
+        self.cpu_per_round: dict[str, float] = {}
 
     def _line(self) -> dict[str, Any]:
         out: IO[str] | None = self.proc.stdout
@@ -331,6 +360,12 @@ class Side:
         for key, seconds in self._line().items():
             if keep:
                 self.samples.setdefault(key if key != "zmqsync" else self.label, []).append(seconds)
+
+    def cpu(self) -> dict[str, dict[str, float]]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("cpu\n")
+        self.proc.stdin.flush()
+        return self._line()
 
     def close(self) -> None:
         if self.proc.poll() is None and self.proc.stdin is not None:
@@ -373,10 +408,20 @@ def measure(n: int, args: argparse.Namespace, env: dict[str, str]) -> dict[str, 
     try:
         for side in sides:
             side.ready()
+        cpu: dict[str, dict[str, float]] = {}
         for i in range(args.warmup + args.publishes):
+            if i == args.warmup:
+                cpu = {side.label: side.cpu() for side in sides}
             k = i % len(sides)
             for side in sides[k:] + sides[:k]:
                 side.go(keep=i >= args.warmup)
+        for side in sides:
+            end = side.cpu()
+            side.cpu_per_round = {
+                f"{who}.{kind}": (end[who][kind] - cpu[side.label][who][kind]) / args.publishes
+                for who in end
+                for kind in end[who]
+            }
     finally:
         for side in sides:
             side.close()
@@ -385,6 +430,7 @@ def measure(n: int, args: argparse.Namespace, env: dict[str, str]) -> dict[str, 
         samples.update(side.samples)
     return {
         "workers": n,
+        "cpu_per_round": {side.label: side.cpu_per_round for side in sides},
         "load_start": load_start,
         "load_end": os.getloadavg(),
         "samples": samples,
@@ -406,6 +452,12 @@ def report(result: dict[str, Any]) -> None:
         x50 = f"{p50 / _p(raw, 0.5):.2f}×" if raw else "-"
         x99 = f"{p99 / _p(raw, 0.99):.2f}×" if raw else "-"
         print(f"  {key:<34} {p50 * 1e3:8.3f} {p99 * 1e3:8.3f} {x50:>9} {x99:>9}")
+    n = result["workers"]
+    print("  CPU per round, µs (threads: main / libzmq I/O / other): trainer; each worker")
+    for label, cpu in result["cpu_per_round"].items():
+        t = " / ".join(f"{cpu[f'trainer.{k}'] * 1e6:.0f}" for k in ("main", "zmq", "other"))
+        w = " / ".join(f"{cpu[f'workers.{k}'] * 1e6 / n:.0f}" for k in ("main", "zmq", "other"))
+        print(f"    {label:<32} {t:>16};  {w:>14}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -210,14 +210,9 @@ class Link:
             if isinstance(msg, Heartbeat) and not msg.worker_id:
                 return self._lose("a new publisher answers at the address")
             return None
-        self.last_heard = now
         if isinstance(msg, Receive):  # first: one per version
-            if msg.slot >= self.slots:
-                self.counters["rejected"] += 1
-                return Rejected(f"RECEIVE v{msg.version} for slot {msg.slot} of {self.slots}")
-            if self._seen(msg.seq):
-                return None
-            return Offer(msg.bus, msg.version, msg.slot, msg.changed)
+            return self.on_receive(msg.seq, msg.version, msg.slot, msg.changed, now)
+        self.last_heard = now
         if isinstance(msg, Stop):
             if self._seen(msg.seq):
                 return None
@@ -234,6 +229,26 @@ class Link:
             self.last_seq = msg.seq
             return Repair()
         return None
+
+    def on_receive(
+        self, seq: int, version: int, slot: int, changed: bytes, now: float
+    ) -> Offer | Rejected | None:
+        """What to do with a RECEIVE of our bus (its fields, from `read_receive`, or
+        from `on_event`), received at `now`. One per version: the rule of `_seen` is
+        written out here rather than called."""
+        if self.state is LinkState.CLOSED:
+            return None
+        self.last_heard = now
+        if slot >= self.slots:
+            self.counters["rejected"] += 1
+            return Rejected(f"RECEIVE v{version} for slot {slot} of {self.slots}")
+        last = self.last_seq
+        if seq <= last:
+            return None
+        if seq > last + 1:
+            self.counters["gaps"] += 1
+        self.last_seq = seq
+        return Offer(self.bus_id, version, slot, changed)
 
     def on_invalid(self) -> None:
         """A frame on the events socket that is not a valid message: count it."""

@@ -62,6 +62,8 @@ __all__ = [
     "integer",
     "list_of",
     "number",
+    "read_ack",
+    "read_receive",
     "record",
     "template",
     "text",
@@ -804,15 +806,19 @@ def template(cls: type[Message], **fixed: Any) -> Callable[..., bytes]:
             literal = b""
     pieces.append(literal + msgpack.packb({"proto": PROTO, "type": cls.TYPE})[1:])
     head, *tails = pieces
-    packb = msgpack.packb
+    # One Packer per template, not msgpack.packb (a Python function that builds a Packer
+    # and its buffer per call). Its pack() of an int, str or bytes runs in C without
+    # releasing the GIL or calling back into Python, so threads that share a template
+    # (a worker's agent and, in manual mode, the user's thread) cannot interleave in it.
+    pack = msgpack.Packer(use_bin_type=True, autoreset=True).pack
     if len(tails) == 1:
         tail = tails[0]
-        return lambda value: head + packb(value, use_bin_type=True) + tail
+        return lambda value: head + pack(value) + tail
 
     def frame(*values: Any) -> bytes:
         out = [head]
         for value, tail in zip(values, tails, strict=True):
-            out += (packb(value, use_bin_type=True), tail)
+            out += (pack(value), tail)
         return b"".join(out)
 
     return frame
@@ -876,6 +882,96 @@ def decode(data: bytes, *, bus: str | None = None) -> Message:
     ):
         raise ProtocolError(f"{kind} from foreign bus {msg.bus!r} (this bus is {bus!r})")
     return msg
+
+
+_SEQ_LO, _SEQ_HI = _INT_RANGES[FIELDS[Receive]["seq"][0]]
+_VERSION_LO, _VERSION_HI = _INT_RANGES[_VERSION]
+_SLOT_LO, _SLOT_HI = _INT_RANGES[_SLOT]
+_CHANGED_MAX = _BIN_MAX[_CHANGED]
+_RECEIVE_KEYS = len(fields(Receive)) + 2  # + proto and type
+_ACK_KEYS = len(fields(Ack)) + 2
+_IDS_PASSED, _SESSIONS_PASSED = _TEXT_PASSED[_ID], _TEXT_PASSED[_SESSION]
+
+
+def read_receive(data: bytes, bus: str) -> tuple[int, int, int, bytes] | None:
+    """``(seq, version, slot, changed)`` of a RECEIVE of `bus`, or None for anything else.
+
+    None means "not that": another message, another bus, or bytes that are not a valid
+    message; `decode` then says which. What it returns is exactly what `decode` would
+    accept as such a RECEIVE (the same checks, done inline), given a `bus` that is valid
+    itself (one a decoded WELCOME named). A worker reads one RECEIVE per version, on a
+    thread that comes to it with cold caches: no message object, and no call per field.
+    """
+    if type(data) is not bytes or len(data) > MAX_MESSAGE:
+        return None
+    try:
+        raw = msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True)
+    except (ValueError, msgpack.UnpackException, RecursionError, BufferError):
+        return None
+    if type(raw) is not dict or len(raw) != _RECEIVE_KEYS:
+        return None
+    try:
+        if raw["type"] != "receive" or raw["bus"] != bus:
+            return None
+        proto, seq, version, slot = raw["proto"], raw["seq"], raw["version"], raw["slot"]
+        changed = raw["changed"]
+    except KeyError:
+        return None
+    if (
+        type(proto) is not int
+        or proto != PROTO
+        or type(seq) is not int
+        or not _SEQ_LO <= seq <= _SEQ_HI
+        or type(version) is not int
+        or not _VERSION_LO <= version <= _VERSION_HI
+        or type(slot) is not int
+        or not _SLOT_LO <= slot <= _SLOT_HI
+        or type(changed) is not bytes
+        or len(changed) > _CHANGED_MAX
+    ):
+        return None
+    return seq, version, slot, changed
+
+
+def read_ack(data: bytes, bus: str) -> tuple[str, str, int] | None:
+    """``(worker_id, session, version)`` of an ACK of `bus`, or None for anything else.
+
+    As `read_receive`, for the publisher's side: one ACK per worker per version, read by
+    the publishing thread between two waits. Worker ids and sessions are taken only if
+    their checks passed them before (every worker's WELCOME did); anything else goes to
+    `decode`.
+    """
+    if type(data) is not bytes or len(data) > MAX_MESSAGE:
+        return None
+    try:
+        raw = msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True)
+    except (ValueError, msgpack.UnpackException, RecursionError, BufferError):
+        return None
+    if type(raw) is not dict or len(raw) != _ACK_KEYS:
+        return None
+    try:
+        if raw["type"] != "ack" or raw["bus"] != bus:
+            return None
+        proto, worker_id, session, version = (
+            raw["proto"],
+            raw["worker_id"],
+            raw["session"],
+            raw["version"],
+        )
+    except KeyError:
+        return None
+    if (
+        type(proto) is not int
+        or proto != PROTO
+        or type(worker_id) is not str
+        or worker_id not in _IDS_PASSED
+        or type(session) is not str
+        or session not in _SESSIONS_PASSED
+        or type(version) is not int
+        or not _VERSION_LO <= version <= _VERSION_HI
+    ):
+        return None
+    return worker_id, session, version
 
 
 # --- message sets of other channels ------------------------------------------------------

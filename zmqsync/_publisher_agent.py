@@ -43,6 +43,7 @@ from ._protocol import (
     Welcome,
     decode,
     encode,
+    read_ack,
 )
 from ._publisher_role import Endpoints, PublisherRole
 from ._security import Authenticator, CurveServer
@@ -53,6 +54,7 @@ from ._sockets import (
     post,
     protect_ipc,
     readable,
+    send_bytes,
     shutdown_fd,
     sibling_endpoint,
     source_fd,
@@ -300,15 +302,17 @@ class Agent:
                 if monitor in ready:
                     self.gate.on_event(monitor)
             now = time.monotonic()
-            if not (
-                self.pipe in ready
-                or self.control in ready
-                or now >= next_service
-                or now >= next_beat
-            ):
+            if self.pipe in ready or self.control in ready or now >= next_beat:
+                if not io.acquire(timeout=IO_LOCK_S):
+                    raise ZmqSyncError("a publishing thread held the sockets for too long")
+            elif now < next_service:
                 continue  # woken only by connections: leave `_io` to a publishing thread
-            if not io.acquire(timeout=IO_LOCK_S):
-                raise ZmqSyncError("a publishing thread held the sockets for too long")
+            elif not io.acquire(blocking=False):
+                # A publishing thread holds the sockets and reads the acks itself: taking
+                # them the moment it lets go would put this thread's drain (and its turn
+                # with the GIL) right where that thread's next publish begins.
+                next_service = now + _config.SERVICE_S
+                continue
             try:
                 if self.pipe in ready and not self._on_commands():
                     return
@@ -344,30 +348,47 @@ class Agent:
         One blocking recv per ack, and one turn under the lock per ack (apply it, then ask
         `done()`). A recv finds a queued ack without a system call; asking the socket
         first whether one is there (ZMQ_EVENTS) makes one every time, and this thread
-        comes to each ack with cold caches after the workers ran, so every step counts.
+        comes to each ack with cold caches after the workers ran, so every step counts:
+        an ACK is read by `read_ack` (no message object) unless a tap must see it, the
+        registry's lock is taken as the plain lock, and other waiters on the condition
+        are woken once, when this turn ends, rather than per ack (they wait in turns of
+        at most FAST_COLLECT_S and look again).
         """
-        shared, acks = self.shared, self.acks
+        shared, acks, role = self.shared, self.acks, self.role
+        lock, bus = shared.lock, role.bus_id
+        ack: tuple[str, str, int] | None = None
         msg: Message | None = None
+        changed = False
         now = 0.0
-        while True:
-            with shared.cond:
-                if msg is not None and self._on_worker_message(msg, now):
-                    shared.cond.notify_all()
-                if done():
-                    return
-            msg = None
-            left = deadline.remaining()
-            if left is not None and left < _COLLECT_WAIT_S:
-                if left <= 0:
-                    return
-                if not self._ack_poller.poll(deadline.poll_ms()):
+        try:
+            while True:
+                with lock:
+                    if ack is not None:
+                        changed |= role.on_ack(ack[0], ack[1], ack[2], now)
+                    elif msg is not None:
+                        changed |= self._on_worker_message(msg, now)
+                    if done():
+                        return
+                ack = msg = None
+                left = deadline.remaining()
+                if left is not None and left < _COLLECT_WAIT_S:
+                    if left <= 0:
+                        return
+                    if not self._ack_poller.poll(deadline.poll_ms()):
+                        continue
+                try:  # a blocking recv (RCVTIMEO) costs less per ack than a poll, then a recv
+                    part = acks.recv(copy=False)
+                except zmq.Again:
                     continue
-            try:  # a blocking recv (RCVTIMEO) costs less per ack than a poll, then a recv
-                part = acks.recv(copy=False)
-            except zmq.Again:
-                continue
-            msg = self._read(part)
-            now = time.monotonic()
+                now = time.monotonic()
+                if self.tap is None and not part.more:
+                    ack = read_ack(part.bytes, bus)
+                if ack is None:
+                    msg = self._read(part)
+        finally:
+            if changed:
+                with shared.cond:
+                    shared.cond.notify_all()
 
     def send_event(self, msg: Message, peer: str = "") -> None:
         """Send on the events socket (caller holds `_io`)."""
@@ -378,8 +399,9 @@ class Agent:
 
     def send_frame(self, frame: bytes, peer: str = "") -> None:
         """Send an encoded event (caller holds `_io`)."""
-        self.events.send(frame)
-        self._mirror("out", peer, frame)
+        send_bytes(self.events, frame, 0)
+        if self.tap is not None:
+            self._mirror("out", peer, frame)
 
     def _redacted(self, msg: Message, frame: bytes) -> bytes:
         """`frame` as a sniffer may see it: sessions replaced by a keyed hash.
@@ -534,13 +556,14 @@ class Agent:
         cost ~4 us more per ack on a cold thread).
         """
         frame, more = part.bytes, part.more
-        tail, budget = more, Drain()
-        while tail:  # multipart is not ours: read and drop (its parts come together)
-            try:
-                rest = self.acks.recv(copy=False)
-            except zmq.Again:
-                break
-            tail = rest.more and budget.spend(len(rest))
+        if more:  # multipart is not ours: read and drop (its parts come together)
+            tail, budget = True, Drain()
+            while tail:
+                try:
+                    rest = self.acks.recv(copy=False)
+                except zmq.Again:
+                    break
+                tail = rest.more and budget.spend(len(rest))
         try:
             if more:
                 raise ProtocolError("expected one frame, got several")

@@ -217,9 +217,7 @@ class PublisherRole:
         (an ack counted, a worker left)."""
         registry = self.registry
         if isinstance(msg, Ack):
-            ok = registry.ack(msg.worker_id, msg.session, msg.version, now)
-            self.counters["acks" if ok else "stale"] += 1
-            return ok
+            return self.on_ack(msg.worker_id, msg.session, msg.version, now)
         if isinstance(msg, Heartbeat):
             if not registry.seen(msg.worker_id, msg.session, now):
                 self.counters["stale"] += 1
@@ -228,6 +226,13 @@ class PublisherRole:
             return registry.leave(msg.worker_id, msg.session) is not None
         self.counters["rejected"] += 1
         return False
+
+    def on_ack(self, worker_id: str, session: str, version: int, now: float) -> bool:
+        """An ACK of this bus (its fields, from `read_ack`, or from `on_worker_message`);
+        True if it counted."""
+        ok = self.registry.ack(worker_id, session, version, now)
+        self.counters["acks" if ok else "stale"] += 1
+        return ok
 
     # --- liveness and goodbyes ----------------------------------------------------
 

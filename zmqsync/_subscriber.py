@@ -80,10 +80,11 @@ from ._protocol import (
     Welcome,
     decode,
     encode,
+    read_receive,
     template,
 )
 from ._security import CurveClient, client_from_env
-from ._sockets import NOBLOCK, Secure, connect, request, resolve_endpoint
+from ._sockets import NOBLOCK, Secure, connect, request, resolve_endpoint, send_bytes
 from ._text import printable
 
 __all__ = ["Reading", "Subscriber"]
@@ -92,6 +93,7 @@ log = logging.getLogger(__name__)
 _APPLY_ATTEMPTS = 100
 _WAKE = b"\x01"  # from the subscriber's own inproc PUB: look at the flags (never a message)
 _WAIT_CAP_S = 0.1
+_NEVER = 1 << 63  # above any version: nobody waits for one
 _P = ParamSpec("_P")
 _A = TypeVar("_A")
 _R = TypeVar("_R")
@@ -104,6 +106,39 @@ class Reading:
 
     version: int
     torn: bool = False
+
+
+class _Waiters:
+    """The versions the user's threads wait for in `wait_for_version`.
+
+    The agent wakes them only once a version they wait for is applied, and only after
+    its ACK went out: a thread woken on every version (one in ``wait_for_version`` of a
+    far version, or in ``wait_for_stop``) took the GIL from the agent before its ACK was
+    sent, and added a thread wake-up per version to what every worker on the cores pays.
+    `awaited` is read without the lock: a waiter registers under the Subscriber's lock
+    before it sleeps, and the agent stores the version under that lock before it reads.
+    """
+
+    def __init__(self, cond: threading.Condition) -> None:
+        self.cond = cond
+        self.awaited = _NEVER  # the lowest version a thread waits for
+        self._wanted: list[int] = []
+
+    def add(self, version: int) -> None:
+        """A thread waits for `version` (caller holds `cond`)."""
+        self._wanted.append(version)
+        self.awaited = min(self.awaited, version)
+
+    def remove(self, version: int) -> None:
+        """It no longer does (caller holds `cond`)."""
+        self._wanted.remove(version)
+        self.awaited = min(self._wanted, default=_NEVER)
+
+    def wake(self, version: int) -> None:
+        """`version` is applied and acked: wake the threads that wait for it, if any."""
+        if version >= self.awaited:
+            with self.cond:
+                self.cond.notify_all()
 
 
 class Subscriber:
@@ -166,6 +201,7 @@ class Subscriber:
         self._secure = curve.apply if curve is not None else None
         self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)
+        self._waiters = _Waiters(self._cond)
         self._apply_lock = threading.Lock()
         self._closed = False
         self._failure: BaseException | None = None
@@ -331,6 +367,8 @@ class Subscriber:
         applied = self._apply_offer(offer)
         if applied is not None and self._agent is not None:
             self._agent.ack_from_user(applied, offer.bus)
+        if applied is not None:
+            self._waiters.wake(applied)
         return applied is not None
 
     def wait_for_version(self, version: int, timeout: float | None = DEFAULT) -> bool:
@@ -348,7 +386,11 @@ class Subscriber:
             else:
                 with self._cond:
                     if self._version < version:
-                        self._cond.wait(deadline.wait_s(0.5))
+                        self._waiters.add(version)
+                        try:
+                            self._cond.wait(deadline.wait_s(0.5))
+                        finally:
+                            self._waiters.remove(version)
         return True
 
     def wait_for_stop(self, timeout: float | None = DEFAULT) -> bool:
@@ -405,6 +447,7 @@ class Subscriber:
             version=_weakly(self, Subscriber._current_version),
             fail=_weakly(self, Subscriber._fail),
             notify=_weakly(self, Subscriber._notify),
+            waiters=self._waiters,
         )
 
     def _latest(self) -> tuple[int, int] | None:
@@ -478,11 +521,10 @@ class Subscriber:
                     target.alias_to(views[slot])
                     if self._sync_devices:  # no queued work reads the old slot
                         _synchronize(self._sync_devices)
-                with self._cond:
+                with self._lock:  # waiters are woken once the ACK is out (see _Waiters)
                     self._held = (slot, counter) if self.mode == "alias" else None
                     self._version, self._version_bus_id = version, offer.bus
                     self.counters["applied"] += 1
-                    self._cond.notify_all()
                 if self._on_update is not None:
                     self._on_update(version)
                 return version
@@ -688,6 +730,7 @@ class _Port:
     version: Callable[[], int]  # what the model computes with
     fail: Callable[[BaseException], None]  # the thread failed: raise it to the user
     notify: Callable[[], None]  # the link changed: wake whoever waits on it
+    waiters: _Waiters  # wake those waiting for a version once it is acked
 
 
 class _Agent:
@@ -710,7 +753,7 @@ class _Agent:
         # `acks` is used by the agent and, in manual mode, by the user's thread (ACK after
         # poll()); both send under this lock.
         self._send_lock = threading.Lock()
-        self._acks: tuple[tuple[str, str, str], Callable[[int], bytes]] | None = None
+        self._acks: tuple[str, str, Callable[[int], bytes]] | None = None  # session, bus
         # The agent blocks in recv() on its SUB socket, which is also connected to this
         # inproc PUB: close() wakes it with one frame (see `_loop`).
         self._wake = self.ctx.socket(zmq.PUB)
@@ -822,7 +865,7 @@ class _Agent:
             return
         applied = port.join(offer)
         if applied is not None:
-            self._ack(applied)
+            self._applied(applied)
 
     def _request_welcome(self, hello: Hello, deadline: Deadline, attempts: int) -> Welcome:
         """HELLO -> WELCOME (Lazy Pirate), retried while the publisher says it is busy."""
@@ -879,7 +922,14 @@ class _Agent:
         # state's retries), and close() wakes it through the inproc PUB it is also
         # connected to. The clock is read again after a frame: an apply may have taken
         # a while, and a beat due since must not wait for the next frame or timeout.
-        link = self.link
+        #
+        # A RECEIVE of our bus, one per version, takes the short way: its fields read in
+        # one call (no message object), the Link's rule for it, the apply, the ACK. On
+        # a machine where every worker's thread comes to its version with cold caches,
+        # each call and object on this way costs microseconds, and every worker's pay
+        # adds up before the last ACK is in.
+        link, port = self.link, self.port
+        waiters = port.waiters
         while not self._terminating:
             events = self.events
             if events is None:  # not subscribed (between handshake attempts)
@@ -890,12 +940,24 @@ class _Agent:
                 except zmq.Again:  # RCVTIMEO: time to look at the clock
                     pass
                 else:  # a frame queued behind it is the next recv()'s, at once
-                    if frame != XPUB_WELCOME and frame != _WAKE:
+                    fields = read_receive(frame, link.bus_id)
+                    if fields is not None:
+                        seq, version, slot, changed = fields
+                        action = link.on_receive(seq, version, slot, changed, time.monotonic())
+                        if type(action) is Offer:
+                            applied = port.offer(action)
+                            if applied is not None:
+                                self._ack(applied)
+                                if applied >= waiters.awaited:
+                                    waiters.wake(applied)
+                        elif action is not None:
+                            self._do(action)
+                    elif frame != XPUB_WELCOME and frame != _WAKE:
                         self._on_frame(frame, time.monotonic())
             now = time.monotonic()
             if now >= link.next_tick:
-                for action in link.tick(now, self.port.version()):
-                    self._do(action)
+                for due in link.tick(now, port.version()):
+                    self._do(due)
 
     def _on_frame(self, frame: bytes, now: float) -> None:
         try:
@@ -905,19 +967,20 @@ class _Agent:
             log.debug("dropped event: %s", printable(exc))
             return
         action = self.link.on_event(msg, now)
-        if type(action) is Offer:  # one per version: straight to the apply
-            applied = self.port.offer(action)
-            if applied is not None:
-                self._ack(applied)
-        elif action is not None:
+        if action is not None:
             self._do(action)
+
+    def _applied(self, version: int) -> None:
+        """`version` is what the model computes with now: ACK it, then wake its waiters."""
+        self._ack(version)
+        self.port.waiters.wake(version)
 
     def _do(self, action: Action) -> None:
         """Carry out what the Link decided."""
         if isinstance(action, Offer):  # first: one per version
             applied = self.port.offer(action)
             if applied is not None:
-                self._ack(applied)
+                self._applied(applied)
         elif isinstance(action, Heartbeat):
             self._send(action)
         elif isinstance(action, Repair):
@@ -955,13 +1018,15 @@ class _Agent:
             log.debug("re-handshake failed: %s", printable(exc))
 
     def _ack(self, version: int) -> None:
-        """ACK from a template: bus, worker id and session change only on a re-join."""
+        """ACK from a template: bus and session change only on a re-join (the worker id
+        never does)."""
         link = self.link
-        key = (link.bus_id, link.worker_id, link.session)
         acks = self._acks
-        if acks is None or acks[0] != key:  # a race only builds it twice
-            acks = self._acks = (key, template(Ack, bus=key[0], worker_id=key[1], session=key[2]))
-        self._send_frame(acks[1](version), Ack.TYPE)
+        if acks is None or acks[0] != link.session or acks[1] != link.bus_id:
+            bus, session = link.bus_id, link.session  # a race only builds it twice
+            ack = template(Ack, bus=bus, worker_id=link.worker_id, session=session)
+            acks = self._acks = (session, bus, ack)
+        self._send_frame(acks[2](version), Ack.TYPE)
 
     def _send(self, msg: Bye | Heartbeat, linger_ms: int = 0) -> None:
         self._send_frame(encode(msg), msg.TYPE, linger_ms)
@@ -971,7 +1036,7 @@ class _Agent:
             if self.acks is None or self.acks.closed or not self.link.session:
                 return
             try:
-                self.acks.send(frame, NOBLOCK)
+                send_bytes(self.acks, frame, NOBLOCK)
             except zmq.Again:
                 log.debug("acks queue full: %s dropped", kind)
             except zmq.ContextTerminated:  # stop() gave up on this thread
