@@ -6,11 +6,15 @@ Run by the harness (`zmqsync._bench`) with `subprocess`, never by hand::
         One pool worker: an independent interpreter that imports torch once and then
         plays every worker role the benchmark needs, one command at a time. Commands
         are JSON lines on stdin, each answered by one JSON line on stdout:
-        ``model`` (build a model of a given size), ``join``/``leave`` (a zmqsync
-        `Subscriber` in copy or alias mode), ``respond``/``unrespond`` (a thread that
-        answers the harness's own PUB socket: raw ZeroMQ echo, naive pickled
-        state_dict, or one memcpy of the floor buffer), ``touch`` (read every weight,
-        as a forward pass would), ``mem`` (PSS/RSS from /proc/self), ``drop``, ``exit``.
+        ``model`` (build a model of a given size), ``join``/``leave`` (a
+        `zmqsync.Subscriber` in copy or alias mode, background apply: the public API, as
+        a user's worker has it), ``respond``/``unrespond`` (a thread that answers the
+        harness's own PUB socket: naive pickled state_dict, one memcpy of the floor
+        buffer, or an echo that shows the subscription is live; the raw ZeroMQ floor
+        has processes of its own, see ``zmqsync._bench.fanout.Echoes``), ``touch`` (read
+        every weight, as a forward pass would), ``mem`` (PSS/RSS from /proc/self),
+        ``drop``, ``exit``. Between commands the main thread is blocked reading the
+        next one: idle, as a worker's main thread in ``time.sleep`` would be.
 
     python -m zmqsync._bench_worker torchrl SPEC_JSON
         torchrl's ``SharedMemWeightSyncScheme`` driven as its collectors drive it: the
@@ -231,8 +235,9 @@ class _Responder:
     """A thread answering the harness's PUB socket on its PUSH socket.
 
     Frames in: ``[kind, seq, payload?]``; out: ``[index, seq]``. Kinds: ``raw`` (echo:
-    the raw ZeroMQ floor), ``naive`` (unpickle a state_dict and load it into the model),
-    ``copy`` (one memcpy of the floor buffer into the model's own bytes, on this thread).
+    the subscription is live), ``naive`` (unpickle a state_dict and load it into the
+    model), ``copy`` (one memcpy of the floor buffer into the model's own bytes, on this
+    thread). It is started only for the phases that need it (copy mode, naive).
 
     The copy is a plain memcpy on one thread, as a zmqsync worker's is: a torch ``copy_``
     with torch's default two threads in each of N+1 processes on 2 cores made the "floor"
@@ -326,7 +331,10 @@ class _PoolWorker:
         return {}
 
     def cmd_join(self, cmd: dict[str, Any]) -> dict[str, Any]:
-        from ._subscriber import Subscriber
+        """A `zmqsync.Subscriber` as a user's worker has one: the public API, background
+        apply; this process's main thread then waits for the next command (blocked in a
+        read, as an idle main thread in ``time.sleep`` or ``wait_for_stop`` would be)."""
+        from zmqsync import Subscriber
 
         self.cmd_leave({})
         t0 = time.perf_counter()
@@ -430,7 +438,7 @@ def pool_main(argv: list[str]) -> int:
     threads = os.environ.get("ZMQSYNC_BENCH_THREADS")
     if threads:
         torch.set_num_threads(int(threads))
-    from . import _subscriber  # noqa: F401 - imported now, so the digest below is its code
+    import zmqsync  # noqa: F401 - imported now, so the digest below is its code
 
     index = int(argv[argv.index("--index") + 1])
     return _PoolWorker(index).serve()

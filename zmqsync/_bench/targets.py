@@ -47,7 +47,8 @@ def _fixed_cost(ok: list[Row]) -> Target:
                 verdicts.append(x <= 1.5)
     return _target(
         "fixed cost",
-        "4 KB model, 8 and 64 workers: p50 publish ≤ 1.5× the raw ZeroMQ round trip",
+        "4 KB model, 8 and 64 workers: p50 publish ≤ 1.5× the raw ZeroMQ round trip "
+        "(to N plain pyzmq processes)",
         all(verdicts) if verdicts else None,
         "; ".join(parts) or "not measured",
     )
