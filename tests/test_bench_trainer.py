@@ -24,7 +24,8 @@ def test_every_way_trains_publishes_and_reports(tmp_path):
     out = tmp_path / "bench"
     done = subprocess.run(
         [sys.executable, "-m", "zmqsync", "bench", "--trainer", "--trainer-sizes", "4",
-         "--trainer-workers", "2", "--no-trainer-costs", "--out", str(out), "--quiet"],
+         "--trainer-workers", "2", "--trainer-repeats", "1", "--no-trainer-costs",
+         "--out", str(out), "--quiet"],
         capture_output=True, text=True, cwd=ROOT, timeout=560,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]

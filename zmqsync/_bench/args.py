@@ -143,6 +143,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--trainer-workers", type=int, default=8, help="trainer phase alias workers (default 8)"
     )
     p.add_argument(
+        "--trainer-repeats",
+        type=int,
+        default=2,
+        help="trainer phase: run the ways this many times, alternating their order (default 2)",
+    )
+    p.add_argument(
         "--no-trainer-costs",
         action="store_true",
         help="trainer phase without the partial (1 GB model) and bf16 (512 MB) publishes",
@@ -241,6 +247,7 @@ def _run_trainer(args: argparse.Namespace, out: Path, plot_it: bool) -> int:
             workers=args.trainer_workers,
             ways=ways,
             costs=not args.no_trainer_costs,
+            repeats=args.trainer_repeats,
             progress=(lambda what: console.print(what)) if console else (lambda what: None),
         )
     out.mkdir(parents=True, exist_ok=True)

@@ -176,9 +176,38 @@ def run_way(spec: dict[str, Any]) -> dict[str, Any]:
     with _publishing(way, model, opt, n) as publish:
         blocked, to_ack, steps_s = _loop(forward_backward, step, publish, int(spec["steps"]))
     record.update(publish.summary(blocked, to_ack) if publish is not None else {})
-    record["step_s"] = statistics.median(steps_s)
-    record["steps_per_s"] = len(steps_s) / sum(steps_s)
+    record.update(samples={"step": steps_s, "blocked": blocked, "to_ack": to_ack})
+    record.update(_step_summary(steps_s))
+    record["load"] = os.getloadavg()[0]
     return record
+
+
+def _step_summary(steps_s: list[float]) -> dict[str, float]:
+    """steps/s from the median step: a step the machine stalled (a loaded host runs
+    other work for seconds at times) does not decide the comparison."""
+    return {"step_s": statistics.median(steps_s), "steps_per_s": 1.0 / statistics.median(steps_s)}
+
+
+def _merged(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One record from the repeats of one way at one size: the samples pooled."""
+    ok = [r for r in runs if r["status"] == "ok"]
+    if not ok:
+        return runs[-1]
+    pooled: dict[str, list[float]] = {"step": [], "blocked": [], "to_ack": []}
+    for r in ok:
+        for key in pooled:
+            pooled[key] += r["samples"][key]
+    out = {**ok[-1], "runs": len(ok), "samples": pooled, "load": max(r["load"] for r in ok)}
+    out.update(_step_summary(pooled["step"]))
+    if pooled["blocked"]:
+        out.update(
+            blocked_p50=statistics.median(pooled["blocked"]),
+            blocked_mean=statistics.fmean(pooled["blocked"]),
+            blocked_max=max(pooled["blocked"]),
+            to_last_ack_p50=statistics.median(pooled["to_ack"]) if pooled["to_ack"] else None,
+            incomplete_publishes=sum(r["incomplete_publishes"] for r in ok),
+        )
+    return out
 
 
 def _loop(
@@ -505,6 +534,7 @@ def main(argv: list[str]) -> int:
 
         ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)
     record = publish_costs(spec) if spec.get("way") == "costs" else run_way(spec)
+    record["load"] = os.getloadavg()[0]
     print(json.dumps(record), flush=True)
     return 0
 
@@ -520,24 +550,30 @@ def run_trainer_phase(
     ways: tuple[str, ...] = WAYS,
     timeout: float = 900.0,
     costs: bool = True,
+    repeats: int = 2,
     progress: Callable[[str], None] = lambda what: None,
 ) -> list[dict[str, Any]]:
     """Every way at every size, one process each, sizes outer and ways inner (so a
     size's ways run close together in time); a way that fails is recorded with why.
+    `repeats`: the ways run that many times, every other time in reverse order (a drift
+    in the machine's speed then weighs on every way alike), their samples pooled.
     `costs`: then the partial and bf16 publishes (`publish_costs`)."""
-    steps = steps or {64: 20, 512: 8}
+    steps = steps or {64: 15, 512: 6}
     root = Path(__file__).resolve().parents[2]
     records = []
     for size_mb in sizes_mb:
-        for way in ways:
-            progress(f"trainer {size_mb} MB {way}")
-            spec = {
-                "way": way,
-                "size_mb": size_mb,
-                "workers": workers,
-                "steps": steps.get(size_mb, 8),
-            }
-            records.append(_run_one(spec, root, timeout))
+        runs: dict[str, list[dict[str, Any]]] = {way: [] for way in ways}
+        for repeat in range(repeats):
+            for way in ways if repeat % 2 == 0 else tuple(reversed(ways)):
+                progress(f"trainer {size_mb} MB {way} ({repeat + 1}/{repeats})")
+                spec = {
+                    "way": way,
+                    "size_mb": size_mb,
+                    "workers": workers,
+                    "steps": steps.get(size_mb, 6),
+                }
+                runs[way].append(_run_one(spec, root, timeout))
+        records += [_merged(runs[way]) for way in ways]
     if costs:
         progress("partial and bf16 publishes")
         spec = {"way": "costs", "size_mb": 1000, "workers": workers}
@@ -565,7 +601,7 @@ def _run_one(spec: dict[str, Any], root: Path, timeout: float) -> dict[str, Any]
     if proc.returncode != 0 or not lines:
         last = (err.strip().splitlines() or ["no output"])[-1]
         return {**spec, "status": f"failed (rc {proc.returncode}): {last[:300]}"}
-    return {**json.loads(lines[-1]), "status": "ok"}
+    return {**spec, **json.loads(lines[-1]), "status": "ok"}
 
 
 if __name__ == "__main__":
@@ -625,7 +661,7 @@ def print_trainer_report(records: list[dict[str, Any]], console: Any) -> None:
 
     table = Table(title="trainer phase: a training loop publishing every step")
     for col in ("size", "way", "workers", "batch", "steps/s", "vs none", "blocked p50",
-                "blocked max", "to last ack p50", "status"):  # fmt: skip
+                "blocked max", "to last ack p50", "load", "status"):  # fmt: skip
         table.add_column(col)
     base = {
         r["size_mb"]: r["steps_per_s"] for r in records if r["way"] == "none" and "steps_per_s" in r
@@ -648,6 +684,7 @@ def print_trainer_report(records: list[dict[str, Any]], console: Any) -> None:
             ms(r.get("blocked_p50")),
             ms(r.get("blocked_max")),
             ms(r.get("to_last_ack_p50")),
+            f"{r['load']:.0f}" if "load" in r else "-",
             r["status"],
         )
     console.print(table)
