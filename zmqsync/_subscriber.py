@@ -443,7 +443,10 @@ class Subscriber:
             adopt=_weakly(self, Subscriber._adopt),
             latest=_weakly(self, Subscriber._latest),
             join=_weakly(self, Subscriber._join),
-            offer=_weakly_1(self, Subscriber._offer),
+            # background: straight to the apply (it drops a stale offer itself)
+            offer=_weakly_1(
+                self, Subscriber._apply_offer if self.apply == "background" else Subscriber._offer
+            ),
             version=_weakly(self, Subscriber._current_version),
             fail=_weakly(self, Subscriber._fail),
             notify=_weakly(self, Subscriber._notify),
