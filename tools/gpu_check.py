@@ -394,6 +394,84 @@ def check_torn(checks: Checks, slots: int) -> None:
 # --- bandwidth -----------------------------------------------------------------------------
 
 
+_DIGEST_WORKER = """
+import json, sys, time
+import zmqsync
+from zmqsync._checksum import digest
+name = sys.argv[1]
+sub = zmqsync.Subscriber(name=name, mode="alias", worker_id="overlap-worker", timeout=120,
+                         on_update=lambda v: print(json.dumps(
+                             {"version": v, "digest": digest(dict(sub.tensors))}), flush=True))
+with sub:
+    print(json.dumps({"version": sub.version, "digest": digest(dict(sub.tensors)),
+                      "transport": sub.transport}), flush=True)
+    while not sub.stopped:
+        time.sleep(0.05)
+"""
+
+
+def check_overlapped(checks: Checks, width: int) -> None:
+    """optimizer= on a CUDA model: versions bit-exact in an alias worker (CUDA IPC) while
+    step() runs right after each publish, and the training thread's blocked time per
+    publish against a synchronous publish's."""
+    print("overlapped publish of a CUDA model (side stream, the step waits on the GPU):")
+    from zmqsync._checksum import digest
+    from zmqsync._layout import flatten
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(width, width) for _ in range(8))).cuda()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x = torch.randn(256, width, device="cuda")
+
+    def forward_backward() -> None:
+        opt.zero_grad()
+        model(x).square().mean().backward()
+
+    name = f"gpucheck-{uuid.uuid4().hex[:6]}"
+    expected: dict[int, str] = {}
+    with zmqsync.Publisher(model, name=name, optimizer=opt, timeout=120) as pub:
+        worker = subprocess.Popen(
+            [sys.executable, "-c", _DIGEST_WORKER, name],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            if not pub.wait_for_workers(1, timeout=180):
+                raise RuntimeError("the overlap worker did not join")
+            for _ in range(10):
+                forward_backward()
+                handle = pub.publish(wait=False)
+                expected[handle.version] = digest(flatten(model))  # syncs: fine here
+                opt.step()  # right away: the copy may still be queued
+            handle.wait(60)
+        finally:
+            pub.close()
+        out, _ = worker.communicate(timeout=60)
+    seen = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    wrong = [r["version"] for r in seen if expected.get(r["version"], r["digest"]) != r["digest"]]
+    ok = bool(seen) and not wrong and seen[-1]["version"] == max(expected)
+    checks.add("overlapped CUDA versions bit-exact", ok, f"{len(seen)} applied, wrong: {wrong}")
+
+    blocked: dict[str, float] = {}
+    for way in ("sync", "overlapped"):
+        optimizer = opt if way == "overlapped" else None
+        with zmqsync.Publisher(model, name=f"{name}{way[0]}", optimizer=optimizer) as pub:
+            handles = []
+            for _ in range(30):
+                forward_backward()
+                opt.step()
+                handles.append(pub.publish(wait=way == "sync"))
+            handles[-1].wait(60)
+            torch.cuda.synchronize()
+            blocked[way] = statistics.median([h.blocked for h in handles[5:]])
+    ratio = blocked["overlapped"] / blocked["sync"]
+    checks.add(
+        "overlapped blocked <= 5% of sync (CUDA)",
+        ratio <= 0.05,
+        f"{blocked['overlapped'] * 1e3:.3f} vs {blocked['sync'] * 1e3:.3f} ms ({ratio:.1%})",
+    )
+
+
 def run_bench(args: argparse.Namespace) -> int:
     """One size, in its own process (a closed CUDA publisher keeps its memory until exit)."""
     size = int(args.gib * GiB)
@@ -591,6 +669,7 @@ def main(argv: list[str] | None = None) -> int:
         lambda: check_cpu_publisher(checks, width),
         lambda: check_torn(checks, 2),
         lambda: check_torn(checks, 1),
+        lambda: check_overlapped(checks, width),
     ):
         try:
             step()

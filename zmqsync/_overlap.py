@@ -12,6 +12,9 @@ optimizer known, most of it moves off the training thread:
   before ``publish()`` returns.
 * A `StepGuard` hooks every optimizer's ``step()``: it waits, only if the copy of the
   version before is unfinished, and the time it waits is the training thread's cost.
+* CUDA parameters are copied on a side stream, after an event the trainer's streams
+  recorded at ``publish()``; ``step()`` then makes its own streams wait for the copy's
+  events (the GPU waits, the host does not) once the copy is queued.
 
 What this cannot see: a parameter written outside ``optimizer.step()`` between a
 publish and the end of its copy (``p.data.copy_(...)``, an EMA update, loading a
@@ -37,12 +40,20 @@ log = logging.getLogger(__name__)
 
 
 class Pending:
-    """A version whose optimizer-written tensors are still being copied."""
+    """A version whose optimizer-written tensors are still being copied.
 
-    __slots__ = ("done", "error", "guard_wait", "written_at")
+    CUDA tensors (`on_gpu`): the writer thread queues their copy on a side stream and
+    sets `queued` with an event per device in `copied`; a step then waits for those
+    events on its own streams (on the GPU), not for the copy on the host.
+    """
 
-    def __init__(self) -> None:
+    __slots__ = ("copied", "done", "error", "guard_wait", "on_gpu", "queued", "written_at")
+
+    def __init__(self, on_gpu: bool = False) -> None:
         self.done = threading.Event()
+        self.queued = threading.Event()
+        self.on_gpu = on_gpu
+        self.copied: list[torch.cuda.Event] = []
         self.error: BaseException | None = None
         self.guard_wait = 0.0  # seconds optimizer steps waited for this copy
         self.written_at: float | None = None  # perf_counter when it was announced
@@ -56,6 +67,13 @@ class Pending:
                 self.error
             )
 
+    def wait_queued(self, timeout: float | None) -> None:
+        """Block until the GPU copy is queued (or the job ended), raising its error."""
+        if not self.queued.wait(timeout):
+            raise TimeoutError("the background copy of a version was not queued in time")
+        if self.error is not None:
+            self.wait(0)
+
 
 class Writer:
     """The thread that finishes versions: one at a time, in order.
@@ -66,15 +84,16 @@ class Writer:
     """
 
     def __init__(self, name: str) -> None:
-        self._jobs: queue.SimpleQueue[tuple[Callable[[], None], Pending] | None] = (
+        self._jobs: queue.SimpleQueue[tuple[Callable[[Pending], None], Pending] | None] = (
             queue.SimpleQueue()
         )
         self._thread = threading.Thread(target=self._run, name=f"zmqsync-write-{name}")
         self._thread.daemon = True
         self._thread.start()
 
-    def submit(self, job: Callable[[], None]) -> Pending:
-        pending = Pending()
+    def submit(self, job: Callable[[Pending], None], *, on_gpu: bool = False) -> Pending:
+        """Run `job(pending)` on the writer thread after the jobs before it."""
+        pending = Pending(on_gpu)
         self._jobs.put((job, pending))
         return pending
 
@@ -93,12 +112,13 @@ class Writer:
                 return
             job, pending = item
             try:
-                job()
+                job(pending)
             except BaseException as exc:  # reported where the version is waited for
                 log.exception("publishing a version in the background failed")
                 pending.error = exc
             finally:
                 pending.written_at = time.perf_counter()
+                pending.queued.set()
                 pending.done.set()
             del job, item  # nothing of the publisher's stays referenced while idle
 
@@ -122,7 +142,12 @@ class StepGuard:
             return
         started = time.perf_counter()
         try:
-            pending.wait(self._timeout)
+            if pending.on_gpu:  # the step's kernels wait for the copy, the host does not
+                pending.wait_queued(self._timeout)
+                for event in pending.copied:
+                    torch.cuda.current_stream(event.device).wait_event(event)
+            else:
+                pending.wait(self._timeout)
         finally:
             pending.guard_wait += time.perf_counter() - started
 

@@ -32,7 +32,7 @@ import secrets
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -317,6 +317,7 @@ class Publisher:
         self._guard: StepGuard | None = None  # with optimizers, once started
         self._writer: Writer | None = None
         self._pending: tuple[int, Pending] | None = None  # (version, its background copy)
+        self._side_streams: dict[torch.device, torch.cuda.Stream] = {}  # the writer's
         self._address_arg = address
         self._slot_count = 1 if live else slots  # live: the trainer's tensors are slot 0
         self._timeout = timeout
@@ -761,33 +762,52 @@ class Publisher:
             slots.begin(slot)
             slots.copy(slot, flat, every - late, mirror=mirror)
             slots.refresh(slot, slots.stale(slot, every))
-        before = self._stream_events(late, flat)
+        # CUDA: the side streams start after what the trainer queued so far (the copies
+        # just made included), and every copy of this version is on them
+        devices = sorted({flat[k].device for k in every if flat[k].is_cuda}, key=str)
+        before = self._stream_events(devices)
+        on_gpu = bool(late) and all(flat[k].is_cuda for k in late) and not mirror
 
-        def finish() -> None:  # on the writer thread
-            with self._write_lock:
+        def finish(pending: Pending) -> None:  # on the writer thread
+            with self._write_lock, self._on_side_streams(devices):
                 self._wait_for_trainer(before)
                 slots.copy(slot, flat, late, mirror=mirror)
-                slots.finish(slot, version, every, mirror=mirror)
+                if pending.on_gpu:  # a step may go on once its streams wait for these
+                    pending.copied = self._stream_events(devices)
+                    pending.queued.set()
+                slots.finish(slot, version, every, mirror=mirror)  # syncs the side streams
                 self._record(version, slot)
             self._announce(version, slot, named)
 
-        pending = writer.submit(finish)
+        pending = writer.submit(finish, on_gpu=on_gpu)
         guard.pending = pending
         self._pending = (version, pending)
         return pending
 
-    def _stream_events(
-        self, keys: frozenset[Key], flat: dict[Key, torch.Tensor]
-    ) -> list[torch.cuda.Event]:
-        """CUDA tensors: an event on each device's current stream now, so the writer
-        thread's copy starts after the kernels the trainer queued before publish()."""
-        devices = {flat[k].device for k in keys if flat[k].is_cuda}
+    @staticmethod
+    def _stream_events(devices: Iterable[torch.device]) -> list[torch.cuda.Event]:
+        """An event on each device's current stream now: recorded by the trainer, the
+        writer's copy starts after the kernels queued before publish(); recorded by the
+        writer, a step's kernels start after the copy."""
         events = []
         for device in devices:
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record(torch.cuda.current_stream(device))
             events.append(event)
         return events
+
+    @contextlib.contextmanager
+    def _on_side_streams(self, devices: list[torch.device]) -> Iterator[None]:
+        """The writer thread's CUDA work goes to one side stream per device (made once),
+        so the copy runs beside the trainer's next forward and backward."""
+        with contextlib.ExitStack() as stack:
+            for device in devices:
+                stream = self._side_streams.get(device)
+                if stream is None:
+                    stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+                    self._side_streams[device] = stream
+                stack.enter_context(torch.cuda.stream(stream))
+            yield
 
     @staticmethod
     def _wait_for_trainer(events: list[torch.cuda.Event]) -> None:
