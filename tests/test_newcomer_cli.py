@@ -512,3 +512,12 @@ def test_help_texts_make_no_promises_of_speed_and_name_no_tracker():
         assert not re.search(r"under \d+ (minute|second)", flat, re.I), flat
     quick = commands.choices["bench"].format_help()
     assert "a few minutes" in " ".join(quick.split())
+
+
+def test_a_publisher_that_cannot_bind_its_ipc_path_says_what_to_do(name):
+    address = "ipc:///proc/zmqsync-nowhere/bus.sock"
+    with pytest.raises(Exception) as err:
+        zmqsync.Publisher({"w": torch.zeros(2)}, address, name=name).start()
+    text = str(err.value)
+    assert text.count(address) == 1, text  # the address once, not twice
+    assert "ZMQSYNC_RUNTIME_DIR" in text and "another ipc:// address" in text

@@ -11,6 +11,7 @@ group when one is configured).
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import socket
@@ -128,7 +129,13 @@ def bind(
         sock.bind(address)
     except zmq.ZMQError as exc:
         sock.close()
-        exc.strerror = f"{exc.strerror} (addr={address!r})"
+        if address not in (exc.strerror or ""):  # pyzmq 27 names the address itself
+            exc.strerror = f"{exc.strerror} (addr={address!r})"
+        if address.startswith("ipc://") and exc.errno in (errno.EACCES, errno.ENOENT, errno.EROFS):
+            exc.strerror = (
+                f"{exc.strerror}; bind the bus in a directory this user may write: set "
+                "ZMQSYNC_RUNTIME_DIR or pass another ipc:// address"
+            )
         raise
     return sock
 
