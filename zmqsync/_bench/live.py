@@ -70,6 +70,8 @@ def measure_live(
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
+    if proc.returncode != 0:  # e.g. killed for memory: the sizes it did not report say so
+        summary.setdefault("status", f"exited {proc.returncode}")
     for line in out.splitlines():
         if not line.startswith("{"):
             continue
@@ -84,6 +86,8 @@ def measure_live(
         for row in results.rows:
             if row.n == n and row.size == rec["key"]:
                 row.samples["zmqsync_live"] = list(lat)
+    for point in sizes:
+        summary.setdefault(point["key"], {"error": summary.get("status", "no result")})
     return summary
 
 
