@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -73,24 +70,19 @@ def test_live_refuses_what_it_cannot_share(name):
             pub.publish(fill=lambda flat: None)
 
 
-def test_bench_times_live_publishes_beside_torchrl(bus_dirs):
-    """`zmqsync bench`'s live points: a publisher over a bench model, alias workers."""
-    spec = {
-        "workers": 2,
-        "connect_timeout": 60,
-        "start_method": "forkserver",
-        "points": [
-            {"key": "4M", "kind": "mlp", "nbytes": 4 << 20, "variant": "collector", "iters": 8,
-             "warmup": 1, "min_iters": 3, "max_seconds": 5},
-        ],
-    }  # fmt: skip
-    out = subprocess.run(
-        [sys.executable, "-m", "zmqsync._bench.live", json.dumps(spec)],
-        capture_output=True, text=True, timeout=150, check=True,
-    ).stdout  # fmt: skip
-    records = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-    point = next(r for r in records if r["event"] == "point")
-    assert point["key"] == "4M" and "error" not in point, point
-    assert len(point["lat"]) == 8 and max(point["lat"]) < 5.0
-    assert records[-1]["event"] == "done"
+def test_bench_times_live_publishes_beside_torchrl(bus_dirs, tmp_path):
+    """`zmqsync bench`'s live points, as the torchrl baseline runs them after its own."""
+    from zmqsync._bench.config import BenchConfig
+    from zmqsync._bench.live import measure_live
+    from zmqsync._bench.results import Results, Row
+
+    results = Results(config={}, machine={}, rows=[Row(n=2, size="4M", label="4 MB", mode="alias")])
+    point = {"key": "4M", "kind": "mlp", "nbytes": 4 << 20, "iters": 8, "warmup": 1,
+             "min_iters": 3, "max_seconds": 5}  # fmt: skip
+    points = [{**point, "variant": "collector"}, {**point, "variant": "own"}]
+    cfg = BenchConfig(timeout=60.0)
+    summary = measure_live(cfg, results, 2, points, dict(os.environ), tmp_path / "live.log")
+    assert set(summary) == {"4M"}, (summary, (tmp_path / "live.log").read_text()[-2000:])
+    assert summary["4M"]["iters"] == 8 and summary["4M"]["p50"] < 1.0
+    assert len(results.rows[0].samples["zmqsync_live"]) == 8
     assert not os.listdir(bus_dirs[1])
