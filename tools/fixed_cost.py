@@ -54,7 +54,7 @@ from typing import IO, Any
 
 HERE = Path(__file__).resolve()
 ROOT = HERE.parents[1]
-READY_S = 600.0  # N workers importing torch on a loaded 2-core machine take a while
+READY_S = 1200.0  # N workers importing torch on a loaded 2-core machine take a while
 ROUND_S = 60.0  # one round, on a deadline
 
 # --- helpers shared by every role ------------------------------------------------------
@@ -403,12 +403,13 @@ def _side(spec: str, n: int, args: argparse.Namespace, env: dict[str, str]) -> S
 
 
 def measure(n: int, args: argparse.Namespace, env: dict[str, str]) -> dict[str, Any]:
-    load_start = os.getloadavg()
-    sides = [_side(spec, n, args, env) for spec in args.sides]
+    sides: list[Side] = []
     try:
-        for side in sides:
-            side.ready()
-        cpu: dict[str, dict[str, float]] = {}
+        for spec in args.sides:  # one at a time: N processes importing torch at once is enough
+            sides.append(_side(spec, n, args, env))
+            sides[-1].ready()
+        load_start = os.getloadavg()
+        cpu: dict[str, dict[str, dict[str, float]]] = {}
         for i in range(args.warmup + args.publishes):
             if i == args.warmup:
                 cpu = {side.label: side.cpu() for side in sides}
