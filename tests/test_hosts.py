@@ -208,8 +208,9 @@ class Deployment:
         self.trainer.proc.send_signal(signal.SIGUSR1)
         return version
 
-    def outcome(self, version: int, timeout: float = 30.0) -> dict:
-        """The trainer's record of `version` (published or timeout)."""
+    def outcome(self, version: int, timeout: float = 45.0) -> dict:
+        """The trainer's record of `version` (published or timeout); `timeout` is longer
+        than the trainer's own deadline (30 s), so a late publish shows what it missed."""
         assert self.trainer is not None
         record = self.trainer.wait_for(lambda r: r.get("version") == version, timeout)
         self.expected[version] = record["checksum"]

@@ -53,6 +53,7 @@ from ._wire import (
     check_backend,
     layout_of,
     new_process_group,
+    payload_bytes,
     release,
     views_of,
 )
@@ -71,7 +72,7 @@ def _written(slot: torch.Tensor) -> None:
 
 def _copier(source: torch.Tensor) -> Callable[[torch.Tensor], None]:
     def copy(slot: torch.Tensor) -> None:
-        slot.copy_(source)
+        slot[: source.numel()].copy_(source)  # the payload; the slot's tail is padding
 
     return copy
 
@@ -140,7 +141,7 @@ class _RelayGroup:
     root_bus: str
     wire: Wire
     pg: Any
-    slot_bytes: int
+    slot_bytes: int  # the bytes of a version: the payload_bytes of the manifest
 
 
 class Relay:
@@ -461,9 +462,10 @@ class Relay:
         self._drop_group("new generation")
         try:
             device = check_backend(commit.backend, self._device_arg)
-            layout = layout_of(commit.manifest)
-            if layout.slot_bytes != commit.slot_bytes:
-                raise ZmqSyncError("the root's slot size differs from this host's layout")
+            layout_of(commit.manifest)  # laid out here as on the root, or refused
+            payload = payload_bytes(commit.manifest)
+            if payload != commit.slot_bytes:
+                raise ZmqSyncError("the root's version size differs from this host's layout")
             if self._local is not None and (
                 commit.root_bus != self._holding.have[0] or commit.manifest != self._manifest
             ):
@@ -485,9 +487,7 @@ class Relay:
             return
         wire = Wire(pg, commit.backend, commit.chunk_bytes, commit.timeout, device)
         self._set_group(
-            _RelayGroup(
-                commit.gen, commit.rank, commit.world, commit.root_bus, wire, pg, layout.slot_bytes
-            )
+            _RelayGroup(commit.gen, commit.rank, commit.world, commit.root_bus, wire, pg, payload)
         )
         self.counters["generations"] += 1
         self._report("formed", commit.gen)
@@ -603,7 +603,7 @@ class Relay:
         slot = local.reserve_slot() if local is not None else None
         if local is None or slot is None:
             return None
-        return group.wire.post_receive(local.open_slot(slot), slot)
+        return group.wire.post_receive(local.open_slot(slot)[: group.slot_bytes], slot)
 
     def _staging(self, nbytes: int) -> torch.Tensor:
         """A reusable receive buffer (kept: needing one once means needing it again)."""

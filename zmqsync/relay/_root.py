@@ -44,7 +44,7 @@ from ._membership import Membership
 from ._messages import RelayInfo
 from ._rendezvous import control_key, data_key, rendezvous, require_trusted
 from ._root_agent import RootAgent
-from ._wire import check_backend, flat_slot, layout_of, on_cpu
+from ._wire import check_backend, flat_slot, layout_of, on_cpu, payload_bytes
 
 __all__ = ["DEFAULT_CHUNK_MB", "RelayRoot"]
 
@@ -175,7 +175,7 @@ class RelayRoot:
         self._thread: threading.Thread | None = None
         self._manifest: tuple[TensorSpec, ...] = ()
         self._manifest_bus = ""
-        self._slot_bytes = 0
+        self._payload_bytes = 0  # the bytes of a slot that travel (see payload_bytes)
         self.last: Relayed | None = None
         self.last_error: BaseException | None = None
         self._pid = os.getpid()
@@ -399,7 +399,7 @@ class RelayRoot:
         buf = state.buffers[0]
         if (buf.size - buf.header_bytes) // state.slots != layout.slot_bytes:
             raise ZmqSyncError("the bus's segment size does not match its manifest")
-        self._manifest, self._slot_bytes = manifest, layout.slot_bytes
+        self._manifest, self._payload_bytes = manifest, payload_bytes(manifest)
         self._manifest_bus = state.bus
 
     def _on_version(self, version: int) -> None:
@@ -428,7 +428,7 @@ class RelayRoot:
             if self._carrier is not None:
                 self._carrier.bus_changed()
         first = self._manifest[0]
-        flat = flat_slot(feed.tensors[first.key], first, self._slot_bytes)
+        flat = flat_slot(feed.tensors[first.key], first, self._payload_bytes)
         with self._cond:
             self._membership.hold(bus, version)
         return bus, version, flat

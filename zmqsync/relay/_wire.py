@@ -48,6 +48,7 @@ __all__ = [
     "layout_of",
     "new_process_group",
     "on_cpu",
+    "payload_bytes",
     "release",
     "views_of",
 ]
@@ -93,17 +94,27 @@ def layout_of(manifest: Sequence[TensorSpec]) -> Layout:
     return layout
 
 
-def flat_slot(view: torch.Tensor, first: TensorSpec, slot_bytes: int) -> torch.Tensor:
-    """The whole slot, as flat uint8, that `view` (the tensor of `first`) lives in.
+def payload_bytes(manifest: Sequence[TensorSpec]) -> int:
+    """The bytes of a slot that travel: from its start to the end of its last tensor.
+
+    The rest of a slot is alignment padding, and a subscriber's alias storage may end
+    where the last tensor does (one storage per slot, its pointer swapped per version).
+    """
+    return max(spec.offset + spec.nbytes for spec in manifest)
+
+
+def flat_slot(view: torch.Tensor, first: TensorSpec, nbytes: int) -> torch.Tensor:
+    """The first `nbytes` of the slot that `view` (the tensor of `first`) lives in, as
+    flat uint8 (`nbytes`: its `payload_bytes`).
 
     Raises:
-        ZmqSyncError: `view` is not a view into a slot of `slot_bytes` bytes.
+        ZmqSyncError: `view` is not a view into a slot that holds `nbytes` bytes.
     """
     storage = view.untyped_storage()
     start = view.storage_offset() * view.element_size() - first.offset
-    if start < 0 or start + slot_bytes > storage.nbytes():
+    if start < 0 or start + nbytes > storage.nbytes():
         raise ZmqSyncError("the tensors are not views into one shared slot")
-    flat: torch.Tensor = torch.empty(0, dtype=torch.uint8).set_(storage, start, (slot_bytes,), (1,))
+    flat: torch.Tensor = torch.empty(0, dtype=torch.uint8).set_(storage, start, (nbytes,), (1,))
     return flat
 
 
