@@ -2,7 +2,8 @@
 
 A worker reads a RECEIVE of its bus without a message object (`read_receive`), the
 publisher an ACK (`read_ack`); an alias-mode worker on the CPU switches versions by
-moving one storage (`_apply._Switch`) instead of setting every tensor; threads in
+moving one storage (`_apply._Switch`) instead of setting every tensor (both ways are
+checked); threads in
 `wait_for_version` are woken only for the version they wait for. Each is checked here
 against the plain behaviour, with real sockets and shared memory, or byte for byte.
 """
@@ -16,6 +17,7 @@ import pytest
 import torch
 
 import zmqsync
+from zmqsync import _apply
 from zmqsync._errors import ProtocolError
 from zmqsync._layout import flatten
 from zmqsync._protocol import Ack, Receive, decode, encode, read_ack, read_receive, template
@@ -48,7 +50,18 @@ def _same(worker: torch.nn.Module, trainer: torch.nn.Module) -> bool:
     return all(torch.equal(mine[key], t) for key, t in flatten(trainer).items())
 
 
-def test_alias_mode_follows_every_version_through_one_storage(name):
+@pytest.fixture(params=["switch", "per-tensor"])
+def alias_way(request, monkeypatch):
+    """Alias mode through the storage switch, or (a torch without its pointer swap) by
+    setting every tensor."""
+    if request.param == "per-tensor":
+        monkeypatch.setattr(_apply, "_SWAP_DATA_PTR", None)
+    else:
+        assert _apply._SWAP_DATA_PTR is not None, "the torch of constraints.txt has it"
+    return request.param
+
+
+def test_alias_mode_follows_every_version(name, alias_way):
     trainer, worker = Net(), Net()
     params = dict(worker.named_parameters())
     with (
@@ -70,7 +83,7 @@ def test_alias_mode_follows_every_version_through_one_storage(name):
         assert where[1] == where[3], "and two slots take turns"
 
 
-def test_alias_model_keeps_the_last_version_after_close(name):
+def test_alias_model_keeps_the_last_version_after_close(name, alias_way):
     trainer, worker = Net(), Net()
     with zmqsync.Publisher(trainer, name=name, timeout=20) as pub:
         with zmqsync.Subscriber(name=name, model=worker, mode="alias") as sub:
@@ -84,7 +97,7 @@ def test_alias_model_keeps_the_last_version_after_close(name):
     assert worker(torch.ones(2, 6)).shape == (2, 2)
 
 
-def test_alias_mode_follows_a_new_publisher_at_the_address(name):
+def test_alias_mode_follows_a_new_publisher_at_the_address(name, alias_way):
     first, second, worker = Net(), Net(), Net()
     _fill(first, 1)
     _fill(second, 2)

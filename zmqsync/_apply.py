@@ -192,7 +192,8 @@ def _home(key: Key, mode: str, device: str | None, views: Mapping[Key, torch.dev
 
 
 # torch's own swap of two storages' data pointers (a private method of UntypedStorage,
-# there since torch 2.3): without it, alias mode sets every tensor's `.data` per version.
+# present in the torch of constraints.txt). Without it alias mode sets every tensor's
+# `.data` per version, as before.
 _SWAP_DATA_PTR: Callable[[Any, Any], None] | None = getattr(
     torch.UntypedStorage, "_swap_data_ptr_", None
 )
