@@ -3,9 +3,9 @@
 A worker reads a RECEIVE of its bus without a message object (`read_receive`), the
 publisher an ACK (`read_ack`); an alias-mode worker on the CPU switches versions by
 moving one storage (`_apply._Switch`) instead of setting every tensor (both ways are
-checked); threads in
-`wait_for_version` are woken only for the version they wait for. Each is checked here
-against the plain behaviour, with real sockets and shared memory, or byte for byte.
+checked); threads in `wait_for_version` are woken only for the version they wait for.
+Each is checked here against the plain behaviour, with real sockets and shared memory,
+or byte for byte.
 """
 
 from __future__ import annotations
