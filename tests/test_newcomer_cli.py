@@ -263,16 +263,25 @@ def test_worker_human_output_says_joined_each_version_and_the_summary(spawn, nam
     assert done.returncode == 0, done.stderr
     assert trainer.finish(30) == 0, trainer.stderr
     lines = done.stdout.splitlines()
-    assert re.match(
-        rf"worker w-human joined bus '{name}' \(id [0-9a-f]+\) at ipc://\S+: version 0, "
+    joined = re.match(
+        rf"worker w-human joined bus '{name}' \(id [0-9a-f]+\) at ipc://\S+: version (\d+), "
         "copy mode, background apply, transport cpu$",
         lines[0],
-    ), lines[0]
-    assert lines[1:41] == [f"applied version {v}" for v in range(1, 41)]
+    )
+    assert joined, lines[0]
+    # the trainer publishes once the worker is on the bus, which may be a moment before
+    # the worker's start() returns: it joins at version 0, or at one that came meanwhile
+    first = int(joined.group(1))
+    assert first <= 2, lines[0]
+    end = 41 - first
+    assert lines[1:end] == [f"applied version {v}" for v in range(first + 1, 41)]
     address = re.search(r" at (ipc://\S+):", lines[0]).group(1)
     # the worker stops at version 40, or first sees the trainer close right after it
-    assert lines[41:-1] in ([], [f"the publisher at {address} closed the bus"]), lines[41:]
-    assert lines[-1] == "worker w-human: applied 41 versions (last 40), 41 verified, 0 mismatches"
+    assert lines[end:-1] in ([], [f"the publisher at {address} closed the bus"]), lines[end:]
+    applied = 41 - first
+    assert lines[-1] == (
+        f"worker w-human: applied {applied} versions (last 40), {applied} verified, 0 mismatches"
+    )
 
 
 def test_verify_without_a_checksum_is_a_one_line_error(name, capsys):
