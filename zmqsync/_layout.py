@@ -321,14 +321,14 @@ class Layout:
 
     def check_keys(self, flat: Mapping[Key, torch.Tensor], keys: Iterable[Key]) -> None:
         """Like `check`, for a partial publish: `flat` holds at least `keys`, as laid out."""
-        specs = {spec.key: spec for spec in self.specs}
+        keys = frozenset(keys)
         for key in keys:
             if key not in flat:
                 raise LayoutMismatch(
                     f"publish(keys=...) names {'.'.join(key)!r}, which the tensors given "
                     "do not hold; pass them, or leave weights= out to read the source"
                 )
-        self.check({k: flat[k] for k in specs if k in flat}, keys=frozenset(keys))
+        self.check(flat, keys=keys)
 
     def views(self, slot: torch.Tensor, buffer: int | None = None) -> dict[Key, torch.Tensor]:
         """Typed views of every tensor inside `slot` (a flat uint8 tensor).

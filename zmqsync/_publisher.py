@@ -726,7 +726,7 @@ class Publisher:
         if self._live:  # the trainer's tensors are the slot: copy only what was given
             slots.begin(slot)
             _copy_unless_same(flat, slots.views(slot))
-            slots.finish(slot, version, slots.keys if named is None else named)
+            slots.finish(slot, version, named)
         elif fill is not None:
             with slots.writing(slot, version):
                 fill(slots.flat(slot))
@@ -754,14 +754,15 @@ class Publisher:
         which then records and announces the version (see `_overlap`)."""
         slots, guard, writer = self._slots, self._guard, self._writer
         assert slots is not None and guard is not None and writer is not None
-        every = frozenset(slots.keys) if named is None else named
+        every = slots.key_set if named is None else named
         owned = guard.owned()
         late = frozenset(k for k in every if id(flat[k]) in owned)
         with self._write_lock:
             mirror = self._needs_mirror()
             slots.begin(slot)
             slots.copy(slot, flat, every - late, mirror=mirror)
-            slots.refresh(slot, slots.stale(slot, every))
+            if named is not None:
+                slots.refresh(slot, slots.stale(slot, named))
         # CUDA: the side streams start after what the trainer queued so far (the copies
         # just made included), and every copy of this version is on them
         devices = sorted({flat[k].device for k in every if flat[k].is_cuda}, key=str)
@@ -775,7 +776,7 @@ class Publisher:
                 if pending.on_gpu:  # a step may go on once its streams wait for these
                     pending.copied = self._stream_events(devices)
                     pending.queued.set()
-                slots.finish(slot, version, every, mirror=mirror)  # syncs the side streams
+                slots.finish(slot, version, named, mirror=mirror)  # syncs the side streams
                 self._record(version, slot)
             self._announce(version, slot, named)
 

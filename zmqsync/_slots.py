@@ -25,7 +25,7 @@ one place that writes them:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 
@@ -76,7 +76,9 @@ class Slots:
         ]
         self._subset_plans: dict[tuple[int, frozenset[Key]], WritePlan] = {}
         self.keys = tuple(self._views[0]) if self._views else ()
-        self._changed_at = dict.fromkeys(self.keys, -1)  # the version a tensor last changed in
+        self.key_set = frozenset(self.keys)
+        self._whole_at = -1  # the last version written whole
+        self._changed_at: dict[Key, int] = {}  # since then: the version a tensor changed in
         self._holds = [-1] * self.count  # the version each slot holds (-1: none yet)
         self._latest_slot = -1
 
@@ -107,7 +109,7 @@ class Slots:
         mark the slot as holding `version` and name it the latest (see the module doc)."""
         self.begin(slot)
         yield self._views[slot]
-        self.finish(slot, version, self.keys)
+        self.finish(slot, version)
 
     def write(
         self, slot: int, version: int, flat: Mapping[Key, torch.Tensor], *, mirror: bool
@@ -116,7 +118,7 @@ class Slots:
         CUDA tensors to the CPU segment too (a worker reads it)."""
         self.begin(slot)
         self.copy(slot, flat, mirror=mirror)
-        self.finish(slot, version, self.keys, mirror=mirror)
+        self.finish(slot, version, mirror=mirror)
 
     # --- a write in parts -------------------------------------------------------------
 
@@ -141,6 +143,8 @@ class Slots:
     def stale(self, slot: int, named: frozenset[Key]) -> frozenset[Key]:
         """Tensors not in `named` that `slot` holds older values of than the latest."""
         held = self._holds[slot]
+        if self._whole_at > held:
+            return self.key_set - named
         return frozenset(k for k, v in self._changed_at.items() if k not in named and v > held)
 
     def refresh(self, slot: int, keys: frozenset[Key]) -> None:
@@ -155,19 +159,27 @@ class Slots:
                     self._cuda_views[slot][key].copy_(self._cuda_views[source][key])
 
     def finish(
-        self, slot: int, version: int, changed: Iterable[Key], *, mirror: bool = False
+        self,
+        slot: int,
+        version: int,
+        changed: frozenset[Key] | None = None,
+        *,
+        mirror: bool = False,
     ) -> None:
         """End a write: the bytes are in place (GPU work included), `slot` holds
-        `version`, which is the latest; `changed`: the tensors it changed."""
-        changed = frozenset(changed)
-        if self._cuda_views and mirror and len(changed) < len(self.keys):
+        `version`, which is the latest; `changed`: the tensors it changed (None: all)."""
+        if self._cuda_views and mirror and changed is not None and changed != self.key_set:
             self._mirror_all(slot)  # a partial write: every tensor's CPU copy, not just its
         for device in self._streams:  # the bytes are in place before the header says so
             torch.cuda.current_stream(device).synchronize()
         self.header.end_write(slot, version)
         self.header.set_latest(version, slot)
-        for key in changed:
-            self._changed_at[key] = version
+        if changed is None or changed == self.key_set:
+            self._whole_at = version  # older per-tensor versions no longer decide anything
+            self._changed_at.clear()
+        else:
+            for key in changed:
+                self._changed_at[key] = version
         self._holds[slot], self._latest_slot = version, slot
         if self._cuda_views:
             self.mirrored[slot] = mirror
