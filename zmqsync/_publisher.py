@@ -463,8 +463,8 @@ class Publisher:
         if self._pending is not None and os.getpid() == self._pid:
             # a version still being written in the background goes out before STOP
             _, pending = self._pending
-            with contextlib.suppress(Exception):
-                pending.wait(self._timeout)
+            with contextlib.suppress(Exception):  # bounded even with timeout=None
+                pending.wait(self._timeout if self._timeout is not None else 60.0)
             self._pending = None
         self._state = "closed"
         if os.getpid() != self._pid:
