@@ -92,27 +92,36 @@ def test_overlapped_publish_is_bit_exact_and_buffers_changed_in_forward_are_publ
 @pytest.mark.timeout(420)
 def test_an_optimizer_step_racing_the_background_copy_never_tears_a_version(spawn, name):
     """step() right after publish(wait=False), with nothing in between: the copy of the
-    published parameters is under way, and the step's pre-hook must hold it back."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*(torch.nn.Linear(1024, 1024) for _ in range(4)))  # 16 MB
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for p in model.parameters():
-        p.grad = torch.ones_like(p)
-    expected: dict[int, str] = {}
+    published parameters is under way, and the step's pre-hook must hold it back. What
+    each version should hold is found afterwards, by replaying the same steps on a twin
+    (hashing 16 MB between publish and step would let the copy finish first)."""
+
+    def trainer() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*(torch.nn.Linear(1024, 1024) for _ in range(4)))  # 16 MB
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+    model, opt = trainer()
     waited = 0.0
     with zmqsync.Publisher(model, name=name, optimizer=opt, slots=3, timeout=60) as pub:
-        expected[0] = digest(flatten(model))
         workers = [_worker(spawn, name, "alias"), _worker(spawn, name, "copy")]
         _join(pub, workers)
+        first = pub.version
         handles = []
         for _ in range(15):
             handle = pub.publish(wait=False)
-            expected[handle.version] = digest(flatten(model))
             opt.step()  # every parameter changes while its copy may be running
             handles.append(handle)
         for handle in handles:
             assert not handle.wait(60).missing
             waited += handle.blocked
+    twin, twin_opt = trainer()
+    expected = {first: digest(flatten(twin))}
+    for handle in handles:
+        expected[handle.version] = digest(flatten(twin))
+        twin_opt.step()
     _check(workers, expected)
     assert waited > 0
 

@@ -273,6 +273,11 @@ class Layout:
         return sum(spec.nbytes for spec in self.specs)
 
     @cached_property
+    def _position(self) -> dict[Key, int]:
+        """Each key's place in the manifest."""
+        return {spec.key: i for i, spec in enumerate(self.specs)}
+
+    @cached_property
     def _signature(self) -> tuple[list[Key], list[tuple[int, ...]], list[torch.dtype]]:
         keys = [spec.key for spec in self.specs]
         return keys, [spec.shape for spec in self.specs], [torch_dtype(s.dtype) for s in self.specs]
@@ -280,10 +285,10 @@ class Layout:
     def check(self, flat: Mapping[Key, torch.Tensor], keys: frozenset[Key] | None = None) -> None:
         """Raise LayoutMismatch naming the first difference between `flat` and the layout
         (`keys`: only those tensors, the others may be missing)."""
-        if keys is not None:
-            for spec in self.specs:
-                if spec.key in keys:
-                    self._check_one(spec, flat[spec.key])
+        if keys is not None:  # a partial publish: a few tensors of many, in manifest order
+            specs = self.specs
+            for i in sorted(map(self._position.__getitem__, keys)):
+                self._check_one(specs[i], flat[specs[i].key])
             return
         names, shapes, dtypes = self._signature
         # The hot path: same keys in the same order, same shapes and dtypes; shapes

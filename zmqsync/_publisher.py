@@ -299,6 +299,9 @@ class Publisher:
         # them cast to `dtype` when one is given.
         self._source_layout = Layout.of(flat, buffers)
         self._layout = Layout.of(_cast(flat, dtype), buffers) if dtype else self._source_layout
+        # what publish(keys=...) may name: key tuples and dotted names
+        self._key_of: dict[str | Key, Key] = {spec.key: spec.key for spec in self._layout.specs}
+        self._key_of.update({spec.name: spec.key for spec in self._layout.specs})
         self._reader = (
             ModuleReader(weights, (spec.key for spec in self._layout.specs))
             if isinstance(weights, torch.nn.Module)
@@ -650,8 +653,7 @@ class Publisher:
         """`keys` as the layout's key tuples (None: every tensor)."""
         if keys is None:
             return None
-        known: dict[str | Key, Key] = {spec.key: spec.key for spec in self._layout.specs}
-        known.update({spec.name: spec.key for spec in self._layout.specs})
+        known = self._key_of
         named = []
         for key in [keys] if isinstance(keys, str) else keys:
             found = known.get(key if isinstance(key, str) else tuple(key))
@@ -671,9 +673,9 @@ class Publisher:
             flat = self._reader.read()
         else:
             flat = flatten(self._source if weights is None else weights, detach=False)
-        if named is None or len(flat) == len(self._layout.specs):
+        if named is None:
             self._source_layout.check(flat)
-        else:  # a partial publish from tensors of only the named keys
+        else:  # a partial publish reads only the named tensors: only they are checked
             self._source_layout.check_keys(flat, named)
         return flat
 
