@@ -42,16 +42,23 @@ _AVX2_CAST = r"""
 #include <stddef.h>
 #include <stdint.h>
 
+static uint16_t one_bf16(const float *x)
+{
+    uint32_t u;
+    __builtin_memcpy(&u, x, 4);
+    if ((u & 0x7FFFFFFF) > 0x7F800000)
+        return 0xFFFF;
+    return (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+}
+
 __attribute__((target("avx2")))
 void cast_bf16(const float *src, uint16_t *dst, size_t n)
 {
     const __m256i bias = _mm256_set1_epi32(0x7FFF), one = _mm256_set1_epi32(1);
     const __m256i qnan = _mm256_set1_epi32(0xFFFF);
     size_t i = 0;
-    while (i < n && ((uintptr_t)(dst + i) & 31)) {  /* to a 32-byte boundary */
-        uint32_t u; __builtin_memcpy(&u, src + i, 4);
-        dst[i++] = (u & 0x7FFFFFFF) > 0x7F800000 ? 0xFFFF : (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
-    }
+    for (; i < n && ((uintptr_t)(dst + i) & 31); i++)  /* to a 32-byte boundary */
+        dst[i] = one_bf16(src + i);
     for (; i + 16 <= n; i += 16) {
         __m256i a = _mm256_loadu_si256((const __m256i *)(src + i));
         __m256i b = _mm256_loadu_si256((const __m256i *)(src + i + 8));
@@ -66,10 +73,8 @@ void cast_bf16(const float *src, uint16_t *dst, size_t n)
         _mm256_stream_si256((__m256i *)(dst + i), packed);
     }
     _mm_sfence();
-    for (; i < n; i++) {
-        uint32_t u; __builtin_memcpy(&u, src + i, 4);
-        dst[i] = (u & 0x7FFFFFFF) > 0x7F800000 ? 0xFFFF : (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
-    }
+    for (; i < n; i++)
+        dst[i] = one_bf16(src + i);
 }
 """
 
