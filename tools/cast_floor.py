@@ -90,7 +90,7 @@ def _build(workdir: str) -> Callable[[int, int, int], None] | None:
     fn = ctypes.CDLL(str(lib)).cast_bf16
     fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
     fn.restype = None
-    return fn  # type: ignore[no-any-return]
+    return fn
 
 
 def _split(run: Callable[[int, int, int], None], parts: int) -> Callable[[int, int, int], None]:
@@ -115,9 +115,8 @@ def _split(run: Callable[[int, int, int], None], parts: int) -> Callable[[int, i
 def _shm_tensor(workdir: str, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
     """A tensor in a /dev/shm file, touched once, as a slot is."""
     path = Path(workdir, name)
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
-    storage = torch.UntypedStorage.from_file(str(path), shared=True, nbytes=nbytes)
-    tensor = torch.empty(0, dtype=dtype).set_(storage).view(dtype)[:numel]
+    path.touch()
+    tensor = torch.from_file(str(path), shared=True, size=numel, dtype=dtype)
     tensor.zero_()
     return tensor
 
