@@ -108,6 +108,25 @@ def test_plan_skips_points_that_do_not_fit():
     )
 
 
+def test_torchrl_phase_skips_a_worker_count_whose_receivers_do_not_fit(tmp_path):
+    """One receiver process per worker, each an interpreter with torch and torchrl: a
+    count whose processes alone exceed the memory available is skipped, with why."""
+    from zmqsync._bench.results import Results, Row
+    from zmqsync._bench.torchrl_baseline import RECEIVER_BYTES, TorchrlBaseline
+
+    cfg = _bench.BenchConfig(mem_budget=64 * GiB, sizes=("4K",))
+    memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    too_many = memory // RECEIVER_BYTES + 1
+    results = Results(config={}, machine={})
+    results.rows = [Row(n=n, size="4K", label="4 KB", mode="alias") for n in (1, too_many)]
+    baseline = TorchrlBaseline(cfg, results, dict(os.environ), tmp_path)
+    assert baseline.plan(too_many) == []
+    skipped = [r for r in results.rows if r.n == too_many]
+    reasons = [r.torchrl_status for r in skipped] + [r.torchrl_own_status for r in skipped]
+    assert all("receiver processes need" in why for why in reasons), reasons
+    assert [p["variant"] for p in baseline.plan(1)] == ["collector", "own"]
+
+
 def test_workers_run_from_the_checkout_the_harness_imports():
     # Workers get ROOT as cwd and first on PYTHONPATH: it must hold this very package.
     assert BENCH_ROOT == ROOT

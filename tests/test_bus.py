@@ -145,8 +145,10 @@ def test_layout_mismatch_names_the_difference_and_bus_keeps_working(name):
 def test_subscriber_model_must_match_the_bus(name):
     with zmqsync.Publisher({"a": torch.zeros(4)}, name=name):
         sub = zmqsync.Subscriber(name=name, model={"a": torch.zeros(5)})
-        with pytest.raises(zmqsync.LayoutMismatch, match="a: it has float32\\[5\\]|a: got"):
+        with pytest.raises(zmqsync.LayoutMismatch, match="a: it has float32\\[5\\]|a: got") as exc:
             sub.start()
+        assert "this worker's model" in str(exc.value)
+        assert "new Publisher" not in str(exc.value)  # the trainer's advice is not the worker's
 
 
 def test_publish_wait_false_targets_and_on_update(name):

@@ -68,8 +68,12 @@ class Target:
             try:
                 layout.check(self.tensors)
             except LayoutMismatch as exc:
+                what = str(exc).replace("publish() got", "it has").split("; ")[0]
                 raise LayoutMismatch(
-                    f"the model does not match the bus: {exc}".replace("publish() got", "it has")
+                    f"the model does not match the bus: {what}; build this worker's model "
+                    "with the trainer's keys, shapes and dtypes (for a bf16 bus: "
+                    "model.to(torch.bfloat16)), or leave model= out to receive the "
+                    "tensors as the bus carries them"
                 ) from None
         # per slot view mapping (kept alive in the tuple, so its id is not reused)
         self._copy_plans: dict[int, tuple[Mapping[Key, torch.Tensor], CopyPlan]] = {}

@@ -495,6 +495,10 @@ def run_bench(cfg: BenchConfig, console: Any = None, command: str = "") -> Resul
                     run.point(n, SIZES[key])
                 if cfg.torchrl and n <= cfg.torchrl_max_workers:
                     run.torchrl_for(n)
+                # what is measured so far, on disk: a run killed later (the OOM killer,
+                # a lost terminal) keeps every worker count it finished
+                results.seconds = time.perf_counter() - t0
+                write_results(results, cfg.out)
             if cfg.late_join:
                 run.late_join(cfg.late_join)
     except SourceChanged as exc:

@@ -27,9 +27,15 @@ from pathlib import Path
 from typing import Any
 
 from .config import ROOT, SIZES, BenchConfig
-from .plan import iterations, padded_bytes
+from .machine import meminfo
+from .plan import SAFETY, iterations, padded_bytes
 from .results import Results, p50, p99
-from .units import gib
+from .units import GiB, gib
+
+# What one receiver process holds before any weights: an interpreter with torch and
+# torchrl imported (0.2-0.6 GiB anonymous each, read from an OOM report of a 32-receiver
+# run). The plan's data budget leaves these out; at 32 or 64 receivers they are most of it.
+RECEIVER_BYTES = GiB * 6 // 10
 
 
 class TorchrlBaseline:
@@ -54,12 +60,19 @@ class TorchrlBaseline:
         cfg = self.cfg
         points: list[dict[str, Any]] = []
         held = 0
+        available = meminfo().get("MemAvailable")
+        processes = n * RECEIVER_BYTES
         for key in cfg.sizes:
             size = SIZES[key]
             s = padded_bytes(size)
             for variant in ("collector", "own"):
                 reason = ""
-                if size.kind == "many" and n > cfg.torchrl_many_max_workers:
+                if available is not None and processes > available - SAFETY:
+                    reason = (
+                        f"skipped: {n} receiver processes need about {gib(processes)}, "
+                        f"{gib(available)} available"
+                    )
+                elif size.kind == "many" and n > cfg.torchrl_many_max_workers:
                     reason = (
                         f"skipped: above {cfg.torchrl_many_max_workers} workers "
                         "(--torchrl-many-max-workers): seconds per send, minutes to connect"
