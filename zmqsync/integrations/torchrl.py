@@ -149,8 +149,8 @@ class ZmqWeightSyncScheme(WeightSyncScheme):  # type: ignore[misc]
         self._sender: _Sender | None = None
         self._worker_senders: dict[int, _Sender] = {}  # per-worker weights: bus per worker
         self._worker_buses: dict[int, tuple[str, str]] = {}  # worker -> (name, address)
-        self._closers: list[weakref.finalize] = []  # close the buses when collected
-        self._receiver_closer: weakref.finalize | None = None
+        self._closers: list[weakref.finalize[..., Any]] = []  # close the buses when collected
+        self._receiver_closer: weakref.finalize[..., Any] | None = None
         self._broadcast: Any = None  # per-worker weights: what send(None) publishes to all
         self._subscriber: Subscriber | None = None
         self._bound_model: Any = None
