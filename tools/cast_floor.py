@@ -10,7 +10,8 @@ arithmetic. This times, alternating in one run (the host's memory speed drifts),
 ``memmove f32``      glibc's memmove, one thread (non-temporal stores for big copies)
 ``torch copy_ f32``  what a float32 publish does for a big tensor
 ``torch cast bf16``  what a bf16 publish does (torch's copy_ with a dtype change)
-``avx2 cast bf16``   a hand-written AVX2 cast, bit-exact with torch (round to nearest
+``avx2 cast bf16``   a hand-written AVX2 cast (and ``avx512``, where the CPU has
+                     AVX-512 F and BW), bit-exact with torch (round to nearest
                      even, NaN -> 0xFFFF as torch's
                      vectorized cast writes it), with non-temporal stores; built here with
                      ``cc``, skipped without one or without AVX2
@@ -33,6 +34,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -76,21 +78,49 @@ void cast_bf16(const float *src, uint16_t *dst, size_t n)
     for (; i < n; i++)
         dst[i] = one_bf16(src + i);
 }
+
+__attribute__((target("avx512f,avx512bw")))
+void cast_bf16_512(const float *src, uint16_t *dst, size_t n)
+{
+    const __m512i bias = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1);
+    const __m512i qnan = _mm512_set1_epi32(0xFFFF);
+    size_t i = 0;
+    for (; i < n && ((uintptr_t)(dst + i) & 31); i++)
+        dst[i] = one_bf16(src + i);
+    for (; i + 16 <= n; i += 16) {
+        __m512i a = _mm512_loadu_si512((const void *)(src + i));
+        __m512i r = _mm512_srli_epi32(_mm512_add_epi32(a, _mm512_add_epi32(bias,
+                        _mm512_and_si512(_mm512_srli_epi32(a, 16), one))), 16);
+        __m512 f = _mm512_castsi512_ps(a);
+        r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q), qnan);
+        _mm256_stream_si256((__m256i *)(dst + i), _mm512_cvtepi32_epi16(r));
+    }
+    _mm_sfence();
+    for (; i < n; i++)
+        dst[i] = one_bf16(src + i);
+}
 """
 
 
-def _build(workdir: str) -> Callable[[int, int, int], None] | None:
-    """The AVX2 cast as a ctypes function, or None (no compiler, no AVX2)."""
+def _build(workdir: str) -> dict[str, Callable[[int, int, int], None]]:
+    """The hand-written casts this CPU runs, as ctypes functions ({} without a compiler)."""
     cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    if cc is None or "avx2" not in Path("/proc/cpuinfo").read_text():
-        return None
+    flags = Path("/proc/cpuinfo").read_text().split()
+    if cc is None or "avx2" not in flags:
+        return {}
     source, lib = Path(workdir, "cast.c"), Path(workdir, "cast.so")
     source.write_text(_AVX2_CAST)
     subprocess.run([cc, "-O3", "-shared", "-fPIC", "-o", str(lib), str(source)], check=True)
-    fn = ctypes.CDLL(str(lib)).cast_bf16
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
-    fn.restype = None
-    return fn
+    casts = {}
+    names = [("avx2", "cast_bf16")]
+    if "avx512f" in flags and "avx512bw" in flags:
+        names.append(("avx512", "cast_bf16_512"))
+    for label, symbol in names:
+        fn = getattr(ctypes.CDLL(str(lib)), symbol)
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+        fn.restype = None
+        casts[label] = fn
+    return casts
 
 
 def _split(run: Callable[[int, int, int], None], parts: int) -> Callable[[int, int, int], None]:
@@ -136,20 +166,21 @@ def main() -> int:
         src[:4] = torch.tensor([float("nan"), float("inf"), -0.0, 1e-40])
         f32 = _shm_tensor(shm, "f32", numel, torch.float32)
         bf16 = _shm_tensor(shm, "bf16", numel, torch.bfloat16)
-        avx2 = _build(build)
+        casts = _build(build)
         ways: dict[str, Callable[[], object]] = {
             "memmove f32": lambda: ctypes.memmove(f32.data_ptr(), src.data_ptr(), numel * 4),
             "torch copy_ f32": lambda: f32.copy_(src),
             "torch cast bf16": lambda: bf16.copy_(src),
         }
-        if avx2 is not None:
-            avx2_x2 = _split(avx2, 2)
-            ways["avx2 cast bf16"] = lambda: avx2(src.data_ptr(), bf16.data_ptr(), numel)
-            ways["avx2 cast bf16 x2"] = lambda: avx2_x2(src.data_ptr(), bf16.data_ptr(), numel)
-            expected = src.to(torch.bfloat16)
-            avx2(src.data_ptr(), bf16.data_ptr(), numel)
-            exact = torch.equal(expected.view(torch.int16), bf16.view(torch.int16))
-            print(f"avx2 cast bit-exact with torch's: {exact}")
+        expected = src.to(torch.bfloat16).view(torch.int16)
+        for label, cast in casts.items():
+            two = _split(cast, 2)
+            ways[f"{label} cast bf16"] = partial(cast, src.data_ptr(), bf16.data_ptr(), numel)
+            ways[f"{label} cast bf16 x2"] = partial(two, src.data_ptr(), bf16.data_ptr(), numel)
+            bf16.zero_()
+            cast(src.data_ptr(), bf16.data_ptr(), numel)
+            exact = torch.equal(expected, bf16.view(torch.int16))
+            print(f"{label} cast bit-exact with torch's: {exact}")
         samples: dict[str, list[float]] = {way: [] for way in ways}
         for repeat in range(args.repeats + 1):
             order = list(ways)
