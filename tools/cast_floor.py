@@ -110,7 +110,8 @@ def _build(workdir: str) -> dict[str, Callable[[int, int, int], None]]:
         return {}
     source, lib = Path(workdir, "cast.c"), Path(workdir, "cast.so")
     source.write_text(_AVX2_CAST)
-    subprocess.run([cc, "-O3", "-shared", "-fPIC", "-o", str(lib), str(source)], check=True)
+    build = [cc, "-O3", "-shared", "-fPIC", "-o", str(lib), str(source)]
+    subprocess.run(build, check=True, timeout=120)
     casts = {}
     names = [("avx2", "cast_bf16")]
     if "avx512f" in flags and "avx512bw" in flags:

@@ -66,15 +66,9 @@ class Target:
         else:
             self.tensors = flatten(model)
             try:
-                layout.check(self.tensors)
+                layout.check(self.tensors, whose="it has", advice=_WORKER_ADVICE)
             except LayoutMismatch as exc:
-                what = str(exc).replace("publish() got", "it has").split("; ")[0]
-                raise LayoutMismatch(
-                    f"the model does not match the bus: {what}; build this worker's model "
-                    "with the trainer's keys, shapes and dtypes (for a bf16 bus: "
-                    "model.to(torch.bfloat16)), or leave model= out to receive the "
-                    "tensors as the bus carries them"
-                ) from None
+                raise LayoutMismatch(f"the model does not match the bus: {exc}") from None
         # per slot view mapping (kept alive in the tuple, so its id is not reused)
         self._copy_plans: dict[int, tuple[Mapping[Key, torch.Tensor], CopyPlan]] = {}
         self._subset_plans: dict[
@@ -194,6 +188,12 @@ def _home(key: Key, mode: str, device: str | None, views: Mapping[Key, torch.dev
         return torch.device(device) if device else view
     return view if view.type == "cpu" else torch.device("meta")
 
+
+_WORKER_ADVICE = (
+    "build this worker's model with the trainer's keys, shapes and dtypes (for a bf16 "
+    "bus: model.to(torch.bfloat16)), or leave model= out to receive the tensors as the "
+    "bus carries them"
+)
 
 # torch's own swap of two storages' data pointers (a private method of UntypedStorage,
 # present in the torch of constraints.txt). Without it alias mode sets every tensor's

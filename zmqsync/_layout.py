@@ -282,13 +282,22 @@ class Layout:
         keys = [spec.key for spec in self.specs]
         return keys, [spec.shape for spec in self.specs], [torch_dtype(s.dtype) for s in self.specs]
 
-    def check(self, flat: Mapping[Key, torch.Tensor], keys: frozenset[Key] | None = None) -> None:
+    def check(
+        self,
+        flat: Mapping[Key, torch.Tensor],
+        keys: frozenset[Key] | None = None,
+        *,
+        whose: str = "publish() got",
+        advice: str | None = None,
+    ) -> None:
         """Raise LayoutMismatch naming the first difference between `flat` and the layout
-        (`keys`: only those tensors, the others may be missing)."""
+        (`keys`: only those tensors, the others may be missing). `whose` and `advice`
+        word the error for whoever holds `flat` (default: a trainer's publish(); a
+        worker's model is not fixed the way a publish() is)."""
         if keys is not None:  # a partial publish: a few tensors of many, in manifest order
             specs = self.specs
             for i in sorted(map(self._position.__getitem__, keys)):
-                self._check_one(specs[i], flat[specs[i].key])
+                self._check_one(specs[i], flat[specs[i].key], advice)
             return
         names, shapes, dtypes = self._signature
         # The hot path: same keys in the same order, same shapes and dtypes; shapes
@@ -308,20 +317,20 @@ class Layout:
             what = f"missing key {'.'.join(missing[0])!r}" if missing else ""
             what = what or f"unexpected key {'.'.join(extra[0])!r}"
             raise LayoutMismatch(
-                f"publish() got other keys than the bus was created with: {what}; "
-                "publish tensors with the same keys, or start a new Publisher"
+                f"{whose} other keys than the bus was created with: {what}; "
+                f"{advice or 'publish tensors with the same keys, or start a new Publisher'}"
             )
         for spec in self.specs:
-            self._check_one(spec, flat[spec.key])
+            self._check_one(spec, flat[spec.key], advice)
 
     @staticmethod
-    def _check_one(spec: TensorSpec, tensor: torch.Tensor) -> None:
+    def _check_one(spec: TensorSpec, tensor: torch.Tensor, advice: str | None) -> None:
         dtype = _DTYPE_NAMES.get(tensor.dtype, str(tensor.dtype))
         if tuple(tensor.shape) != spec.shape or dtype != spec.dtype:
             raise LayoutMismatch(
                 f"{spec.name}: got {dtype}{list(tensor.shape)}, the bus carries "
-                f"{spec.dtype}{list(spec.shape)}; publish the same shapes and dtypes, "
-                "or start a new Publisher"
+                f"{spec.dtype}{list(spec.shape)}; "
+                f"{advice or 'publish the same shapes and dtypes, or start a new Publisher'}"
             )
 
     def check_keys(self, flat: Mapping[Key, torch.Tensor], keys: Iterable[Key]) -> None:

@@ -83,6 +83,8 @@ log = logging.getLogger(__name__)
 # How long a publishing thread reads acks itself before leaving the rest to the agent.
 # The agent's heartbeats and evictions wait that long at most; fast publishes never leave.
 FAST_COLLECT_S = 0.02
+# close() with timeout=None: how long it waits for a version still copied in the background
+_CLOSE_WAIT_S = 60.0
 
 
 def _tensor_device(tensor: torch.Tensor) -> str:
@@ -467,7 +469,7 @@ class Publisher:
             # a version still being written in the background goes out before STOP
             _, pending = self._pending
             with contextlib.suppress(Exception):  # bounded even with timeout=None
-                pending.wait(self._timeout if self._timeout is not None else 60.0)
+                pending.wait(self._timeout if self._timeout is not None else _CLOSE_WAIT_S)
             self._pending = None
         self._state = "closed"
         if os.getpid() != self._pid:
