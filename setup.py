@@ -8,5 +8,5 @@ import os
 
 from setuptools import Extension, setup
 
-native = [Extension("zmqsync._native", ["zmqsync/_native.c"], optional=True)]
+native = [Extension("zmqsync._native", ["zmqsync/_native.c", "zmqsync/_follow.c"], optional=True)]
 setup(ext_modules=native if os.environ.get("ZMQSYNC_BUILD_NATIVE", "1") != "0" else [])

@@ -2,8 +2,9 @@
 
 A worker reads a RECEIVE of its bus without a message object (`read_receive`), the
 publisher an ACK (`read_ack`); an alias-mode worker on the CPU switches versions by
-moving one storage (`_apply._Switch`) instead of setting every tensor (both ways are
-checked); threads in `wait_for_version` are woken only for the version they wait for.
+moving one storage (`_apply.Switch`, by the native Follower or in Python) instead of
+setting every tensor (every way is checked); threads in `wait_for_version` are woken
+only for the version they wait for.
 Each is checked here against the plain behaviour, with real sockets and shared memory,
 or byte for byte.
 """
@@ -17,7 +18,7 @@ import pytest
 import torch
 
 import zmqsync
-from zmqsync import _apply
+from zmqsync import _apply, _subscriber
 from zmqsync._errors import ProtocolError
 from zmqsync._layout import flatten
 from zmqsync._protocol import Ack, Receive, decode, encode, read_ack, read_receive, template
@@ -50,10 +51,16 @@ def _same(worker: torch.nn.Module, trainer: torch.nn.Module) -> bool:
     return all(torch.equal(mine[key], t) for key, t in flatten(trainer).items())
 
 
-@pytest.fixture(params=["switch", "per-tensor"])
+@pytest.fixture(params=["native", "switch", "per-tensor"])
 def alias_way(request, monkeypatch):
-    """Alias mode through the storage switch, or (a torch without its pointer swap) by
-    setting every tensor."""
+    """Alias mode through the storage switch, by the native Follower (where it is built)
+    or in Python, or (a torch without its pointer swap) by setting every tensor."""
+    if request.param == "native":
+        if _subscriber.FOLLOWER is None:
+            pytest.skip("the native extension is not built")
+    else:
+        monkeypatch.setattr(_subscriber, "FOLLOWER", None)
+        monkeypatch.setattr(_subscriber, "GATE", None)
     if request.param == "per-tensor":
         monkeypatch.setattr(_apply, "_SWAP_DATA_PTR", None)
     else:
@@ -81,6 +88,11 @@ def test_alias_mode_follows_every_version(name, alias_way):
                 assert torch.equal(t, flatten(trainer)[key])
         assert where[1] != where[2], "consecutive versions are in different slots"
         assert where[1] == where[3], "and two slots take turns"
+        assert sub.counters["applied"] >= 6
+        if alias_way == "native":  # all but the first (it binds the model to the switch)
+            assert sub.counters["native"] >= 4, sub.counters
+        else:
+            assert sub.counters["native"] == 0
 
 
 def test_alias_model_keeps_the_last_version_after_close(name, alias_way):

@@ -6,7 +6,7 @@
   switching version is a pointer swap). Parameter objects keep their identity; only
   their ``.data`` changes, so references held elsewhere stay valid. On the CPU the
   model's tensors view one storage of their own, bound once, and a version switch
-  moves that storage to the other slot's bytes (`_Switch`): one call per version,
+  moves that storage to the other slot's bytes (`Switch`): one call per version,
   whatever the number of tensors.
 """
 
@@ -29,7 +29,7 @@ from ._layout import (
     torch_dtype,
 )
 
-__all__ = ["Target"]
+__all__ = ["Switch", "Target"]
 
 
 class Target:
@@ -75,7 +75,7 @@ class Target:
             tuple[int, frozenset[Key]], tuple[Mapping[Key, torch.Tensor], CopyPlan]
         ] = {}
         self._binders: dict[int, tuple[Mapping[Key, torch.Tensor], _Binders]] = {}
-        self._switch: _Switch | None = None
+        self.switch: Switch | None = None  # alias mode on the CPU, once a slot was aliased
         self._no_switch = _SWAP_DATA_PTR is None or mode != "alias"  # then: per tensor
         if mode == "alias":
             wrong = sorted(
@@ -126,37 +126,39 @@ class Target:
             self._subset_plans[(id(views), keys)] = cached
         cached[1].run()
 
-    def alias_to(self, views: dict[Key, torch.Tensor]) -> None:
-        """Point the model's tensors at one slot.
+    def alias_to(self, views: list[dict[Key, torch.Tensor]], slot: int) -> None:
+        """Point the model's tensors at `slot` (`views`: every slot's tensors).
 
-        On the CPU, one pointer swap (see `_Switch`). Else one ``.data`` or dict store
+        On the CPU, one pointer swap (see `Switch`). Else one ``.data`` or dict store
         per tensor: the owners (parameter objects, buffer dicts) are found once per
         slot, not on every version (`get_submodule` was most of a worker's CPU on a
         2,000-tensor model), and a parameter's ``.data`` is set by the loop itself, not
         through a bound setter.
         """
-        switch = self._switch
+        switch = self.switch
         if switch is not None:
-            if switch.point_at(views):
+            if switch.point_at(slot, views[slot]):
                 return
-            self._switch, self._no_switch = None, True  # from now on: every tensor is set
-        elif not self._no_switch and self._switch_to(views):
+            switch.active = False
+            self.switch, self._no_switch = None, True  # from now on: every tensor is set
+        elif not self._no_switch and self._switch_to(views, slot):
             return
-        binders = self._binders.get(id(views))
-        if binders is None or binders[0] is not views:
-            binders = (views, _binders(self.model, views))
-            self._binders[id(views)] = binders
+        at = views[slot]
+        binders = self._binders.get(id(at))
+        if binders is None or binders[0] is not at:
+            binders = (at, _binders(self.model, at))
+            self._binders[id(at)] = binders
         params, stores = binders[1]
         for param, view in params:
             param.data = view
         for store, view in stores:
             store(view)
-        self.tensors = views  # the slot's views, built once and never changed: no copy
+        self.tensors = at  # the slot's views, built once and never changed: no copy
 
-    def _switch_to(self, views: dict[Key, torch.Tensor]) -> bool:
-        """Bind the model to a `_Switch` at `views`; False where none can be made (views
+    def _switch_to(self, views: list[dict[Key, torch.Tensor]], slot: int) -> bool:
+        """Bind the model to a `Switch` at `slot`; False where none can be made (views
         not all in one CPU storage): then every tensor is set per version instead."""
-        switch = _Switch.over(views)
+        switch = Switch.over(views[slot], slot, len(views))
         if switch is None:
             self._no_switch = True
             return False
@@ -165,7 +167,7 @@ class Target:
             param.data = view
         for store, view in stores:
             store(view)
-        self._switch, self.tensors = switch, switch.tensors
+        self.switch, self.tensors = switch, switch.tensors
         return True
 
     def forget_views(self) -> None:
@@ -173,7 +175,9 @@ class Target:
         self._copy_plans.clear()
         self._subset_plans.clear()
         self._binders.clear()
-        self._switch = None
+        if self.switch is not None:
+            self.switch.active = False
+        self.switch = None
         self._no_switch = _SWAP_DATA_PTR is None or self.mode != "alias"
 
     def weights(self) -> Any:
@@ -203,54 +207,67 @@ _SWAP_DATA_PTR: Callable[[Any, Any], None] | None = getattr(
 )
 
 
-class _Switch:
+class Switch:
     """Alias mode on the CPU: a version switch as one pointer swap.
 
     The model's tensors view one storage of their own (`model`), bound to them once; to
     switch to another slot, that storage and the one holding the slot's bytes swap
-    their data pointers (torch's ``_swap_data_ptr_``), and every tensor of the model
-    reads the new slot. Setting each tensor's ``.data`` instead cost a worker ~30 us
-    of CPU per version for 8 tensors with cold caches (torch's setter dispatches a
-    check and copies metadata per tensor), and grows with the number of tensors.
+    their data pointers (torch's ``_swap_data_ptr_``, `swap`), and every tensor of the
+    model reads the new slot. Setting each tensor's ``.data`` instead cost a worker
+    ~30 us of CPU per version for 8 tensors with cold caches (torch's setter dispatches
+    a check and copies metadata per tensor), and grows with the number of tensors.
 
     Every slot's bytes are held by one storage made by `torch.from_dlpack` over a view
     of the mapping: the pointer's context is that view, so whichever storage holds a
-    slot's pointer keeps the mapping alive, the model's included. `spare` says which
-    storage holds which slot's pointer now (the model's holds the current slot's).
+    slot's pointer keeps the mapping alive, the model's included. `holders` says which
+    storage holds which slot's pointer now: the model's holds slot `at`'s (its entry is
+    None), and a slot not yet pointed at has none yet. A native `Follower` switches by
+    the same steps on these same attributes; `active` is False once the `Target` has
+    dropped this switch.
     """
 
     def __init__(
-        self, views: dict[Key, torch.Tensor], model: torch.UntypedStorage, base: int
+        self,
+        views: dict[Key, torch.Tensor],
+        model: torch.UntypedStorage,
+        base: int,
+        slot: int,
+        slots: int,
     ) -> None:
-        self.at = views  # the slot views the model reads now
         self.model = model
+        self.swap = _SWAP_DATA_PTR
         self.tensors = {
             key: _over(model, view, int(view.storage_offset()) * view.element_size() - base)
             for key, view in views.items()
         }
         self._size = model.nbytes()
-        self._spare: dict[int, tuple[dict[Key, torch.Tensor], torch.UntypedStorage]] = {}
+        self.holders: list[torch.UntypedStorage | None] = [None] * slots
+        self.at = slot
+        self.active = True
 
     @classmethod
-    def over(cls, views: dict[Key, torch.Tensor]) -> _Switch | None:
-        """A switch at `views`, or None if they are not all CPU views of one storage."""
+    def over(cls, views: dict[Key, torch.Tensor], slot: int, slots: int) -> Switch | None:
+        """A switch at `slot`, whose tensors are `views`, or None if they are not all CPU
+        views of one storage."""
         held = _holder(views)
-        return None if held is None else cls(views, *held)
+        return None if held is None else cls(views, *held, slot, slots)
 
-    def point_at(self, views: dict[Key, torch.Tensor]) -> bool:
-        """Make the model read `views`' slot; False if that slot cannot be swapped in."""
-        if views is self.at:
+    def point_at(self, slot: int, views: dict[Key, torch.Tensor]) -> bool:
+        """Make the model read `slot` (whose tensors are `views`); False if that slot
+        cannot be swapped in."""
+        at = self.at
+        if slot == at:
             return True
-        spare = self._spare.pop(id(views), None)
-        if spare is None or spare[0] is not views:
+        holder = self.holders[slot]
+        if holder is None:
             held = _holder(views)
             if held is None or held[0].nbytes() != self._size:
                 return False
-            spare = (views, held[0])
-        assert _SWAP_DATA_PTR is not None
-        _SWAP_DATA_PTR(self.model, spare[1])  # the spare now holds the old slot's bytes
-        self._spare[id(self.at)] = (self.at, spare[1])
-        self.at = views
+            holder = held[0]
+        assert self.swap is not None
+        self.swap(self.model, holder)  # the holder now holds the old slot's bytes
+        self.holders[at], self.holders[slot] = holder, None
+        self.at = slot
         return True
 
 

@@ -1,4 +1,5 @@
-/* zmqsync._native: copy many byte ranges in one call, on one thread or a few.
+/* zmqsync._native: copy many byte ranges in one call, on one thread or a few (the
+ * worker's per-version path, Follower, is in _follow.c).
  *
  * A version of a model with thousands of tensors is thousands of small copies. Done one
  * by one from Python (a memoryview assignment each), the interpreter's ~130 ns per copy
@@ -209,16 +210,30 @@ static PyObject *copy_many(PyObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
+/* _follow.c: a worker's per-version path */
+PyObject *zs_match_receive(PyObject *self, PyObject *args);
+PyObject *zs_pack_int(PyObject *self, PyObject *arg);
+extern const char zs_match_receive_doc[], zs_pack_int_doc[];
+int zs_add_follower(PyObject *module);
+
 static PyMethodDef methods[] = {
     {"copy_many", copy_many, METH_VARARGS, copy_many_doc},
+    {"match_receive", zs_match_receive, METH_VARARGS, zs_match_receive_doc},
+    {"pack_int", zs_pack_int, METH_O, zs_pack_int_doc},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "zmqsync._native", "Copy many byte ranges in one call.", -1, methods,
+    PyModuleDef_HEAD_INIT, "zmqsync._native",
+    "Copy many byte ranges in one call; a worker's per-version path (Follower).", -1, methods,
 };
 
 PyMODINIT_FUNC PyInit__native(void)
 {
-    return PyModule_Create(&module);
+    PyObject *m = PyModule_Create(&module);
+    if (m != NULL && zs_add_follower(m) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
 }

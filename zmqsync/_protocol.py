@@ -64,8 +64,10 @@ __all__ = [
     "number",
     "read_ack",
     "read_receive",
+    "receive_pattern",
     "record",
     "template",
+    "template_pieces",
     "text",
     "to_plain",
 ]
@@ -782,14 +784,10 @@ def encode(msg: Message) -> bytes:
     return msgpack.packb(body, use_bin_type=True)  # type: ignore[no-any-return]
 
 
-def template(cls: type[Message], **fixed: Any) -> Callable[..., bytes]:
-    """`encode` for `cls` messages that share the `fixed` fields; the others are given
-    positionally, in field order, and only they are packed per message.
-
-    A worker's ACKs differ only in the version, the publisher's RECEIVEs only in seq,
-    version and slot; packing the rest again cost a cold thread ~4 us per message. The
-    bytes are `encode`'s for the same message.
-    """
+def template_pieces(cls: type[Message], **fixed: Any) -> tuple[bytes, ...]:
+    """The bytes `encode` writes for `cls` messages that share the `fixed` fields, in
+    pieces: what comes before the first other field, between each two, and after the
+    last (every other field is packed between two pieces, in field order)."""
     if cls not in _FLAT:
         raise TypeError(f"{cls.__name__} has nested records: use encode()")
     names = [f.name for f in fields(cls)]
@@ -805,7 +803,18 @@ def template(cls: type[Message], **fixed: Any) -> Callable[..., bytes]:
             pieces.append(literal)
             literal = b""
     pieces.append(literal + msgpack.packb({"proto": PROTO, "type": cls.TYPE})[1:])
-    head, *tails = pieces
+    return tuple(pieces)
+
+
+def template(cls: type[Message], **fixed: Any) -> Callable[..., bytes]:
+    """`encode` for `cls` messages that share the `fixed` fields; the others are given
+    positionally, in field order, and only they are packed per message.
+
+    A worker's ACKs differ only in the version, the publisher's RECEIVEs only in seq,
+    version and slot; packing the rest again cost a cold thread ~4 us per message. The
+    bytes are `encode`'s for the same message.
+    """
+    head, *tails = template_pieces(cls, **fixed)
     # One Packer per template, not msgpack.packb (a Python function that builds a Packer
     # and its buffer per call). Its pack() of an int, str or bytes runs in C without
     # releasing the GIL or calling back into Python, so threads that share a template
@@ -891,6 +900,16 @@ _CHANGED_MAX = _BIN_MAX[_CHANGED]
 _RECEIVE_KEYS = len(fields(Receive)) + 2  # + proto and type
 _ACK_KEYS = len(fields(Ack)) + 2
 _IDS_PASSED, _SESSIONS_PASSED = _TEXT_PASSED[_ID], _TEXT_PASSED[_SESSION]
+
+
+def receive_pattern(bus: str) -> tuple[tuple[bytes, ...], tuple[int, ...]]:
+    """A RECEIVE of `bus` as the publisher writes it, for a native reader: the pieces
+    around seq, version, slot and changed (`template_pieces`), and the ranges
+    `read_receive` checks (seq, version and slot low and high, changed's longest). A
+    frame made of these pieces, with fields in these ranges, is one `read_receive`
+    takes, with the same values; any other frame is left to it."""
+    ranges = (_SEQ_LO, _SEQ_HI, _VERSION_LO, _VERSION_HI, _SLOT_LO, _SLOT_HI, _CHANGED_MAX)
+    return template_pieces(Receive, bus=bus), ranges
 
 
 def read_receive(data: bytes, bus: str) -> tuple[int, int, int, bytes] | None:

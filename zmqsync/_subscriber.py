@@ -69,6 +69,7 @@ from ._buffers.transport import (
 from ._config import DEFAULT, XPUB_WELCOME
 from ._deadline import Deadline
 from ._errors import BufferUnavailable, ClosedError, ConnectTimeout, ProtocolError, ZmqSyncError
+from ._follow import FOLLOWER, GATE, libzmq_path, zmq_error
 from ._layout import Key, Layout, flatten
 from ._link import Action, Handshake, Link, LinkState, Lost, Offer, Rejected, Repair, Stopped
 from ._protocol import (
@@ -81,7 +82,9 @@ from ._protocol import (
     decode,
     encode,
     read_receive,
+    receive_pattern,
     template,
+    template_pieces,
 )
 from ._security import CurveClient, client_from_env
 from ._sockets import NOBLOCK, Secure, connect, request, resolve_endpoint, send_bytes
@@ -111,21 +114,24 @@ class Reading:
 class _Waiters:
     """The versions the user's threads wait for in `wait_for_version`.
 
-    The agent wakes them only once a version they wait for is applied, and only after
-    its ACK went out: a thread woken on every version (one in ``wait_for_version`` of a
-    far version, or in ``wait_for_stop``) took the GIL from the agent before its ACK was
-    sent, and added a thread wake-up per version to what every worker on the cores pays.
-    `awaited` is read without the lock: a waiter registers under the Subscriber's lock
-    before it sleeps, and the agent stores the version under that lock before it reads.
+    With the native extension they sleep on a `gate` (a futex, see `_follow`), opened
+    with every version once its ACK is out. Else on the condition: the agent wakes them
+    only once a version they wait for is applied, and only after its ACK went out: a
+    thread woken on every version (one in ``wait_for_version`` of a far version, or in
+    ``wait_for_stop``) took the GIL from the agent before its ACK was sent, and added a
+    thread wake-up per version to what every worker on the cores pays. `awaited` is
+    read without the lock: a waiter registers under the Subscriber's lock before it
+    sleeps, and the agent stores the version under that lock before it reads.
     """
 
     def __init__(self, cond: threading.Condition) -> None:
         self.cond = cond
-        self.awaited = _NEVER  # the lowest version a thread waits for
+        self.gate = GATE() if GATE is not None else None
+        self.awaited = _NEVER  # the lowest version a thread waits for on the condition
         self._wanted: list[int] = []
 
     def add(self, version: int) -> None:
-        """A thread waits for `version` (caller holds `cond`)."""
+        """A thread waits for `version` on the condition (caller holds `cond`)."""
         self._wanted.append(version)
         self.awaited = min(self.awaited, version)
 
@@ -136,9 +142,16 @@ class _Waiters:
 
     def wake(self, version: int) -> None:
         """`version` is applied and acked: wake the threads that wait for it, if any."""
+        if self.gate is not None:
+            self.gate.open(version)
         if version >= self.awaited:
             with self.cond:
                 self.cond.notify_all()
+
+    def kick(self) -> None:
+        """Wake every waiter to look again (closed, stopped, failed)."""
+        if self.gate is not None:
+            self.gate.kick()
 
 
 class Subscriber:
@@ -219,7 +232,14 @@ class Subscriber:
         self._sync_devices: tuple[torch.device, ...] = ()  # GPUs the apply reads or writes
         self._transport = Decision("", "")
         self._agent: _Agent | None = None
-        self.counters: dict[str, int] = {"applied": 0, "rejected": 0, "foreign": 0, "gaps": 0}
+        # applied: versions applied; native: how many of them the native path took
+        self.counters: dict[str, int] = {
+            "applied": 0,
+            "native": 0,
+            "rejected": 0,
+            "foreign": 0,
+            "gaps": 0,
+        }
         # Driven by the agent thread only (from start()); this thread reads its state.
         self._link = Link(self.worker_id, mode, self.counters)
 
@@ -266,8 +286,7 @@ class Subscriber:
             self._attachment.close()
         for gpu in self._gpus:
             gpu.close()
-        with self._cond:
-            self._cond.notify_all()
+        self._notify()
 
     def __enter__(self) -> Subscriber:
         return self.start()
@@ -383,6 +402,8 @@ class Subscriber:
                 return False
             if self.apply == "manual":
                 self.poll(deadline.wait_s(0.5))
+            elif self._waiters.gate is not None:
+                self._waiters.gate.wait(version, deadline.wait_s(0.5))
             else:
                 with self._cond:
                     if self._version < version:
@@ -451,6 +472,12 @@ class Subscriber:
             fail=_weakly(self, Subscriber._fail),
             notify=_weakly(self, Subscriber._notify),
             waiters=self._waiters,
+            follow=_weakly(self, Subscriber._follower)
+            if FOLLOWER is not None
+            and self.mode == "alias"
+            and self.apply == "background"
+            and self._on_update is None
+            else None,
         )
 
     def _latest(self) -> tuple[int, int] | None:
@@ -466,6 +493,7 @@ class Subscriber:
     def _notify(self) -> None:
         with self._cond:
             self._cond.notify_all()
+        self._waiters.kick()
 
     def _join(self, offer: Offer) -> int | None:
         """After a WELCOME: the version to ACK, if any. The first join applies `offer`
@@ -521,10 +549,12 @@ class Subscriber:
                     if not header.read_valid(slot, counter):
                         continue
                 else:
-                    target.alias_to(views[slot])
+                    target.alias_to(views, slot)
                     if self._sync_devices:  # no queued work reads the old slot
                         _synchronize(self._sync_devices)
                 with self._lock:  # waiters are woken once the ACK is out (see _Waiters)
+                    if offer.bus != self._version_bus_id and self._waiters.gate is not None:
+                        self._waiters.gate.open(version)  # a new bus: its numbers start over
                     self._held = (slot, counter) if self.mode == "alias" else None
                     self._version, self._version_bus_id = version, offer.bus
                     self.counters["applied"] += 1
@@ -532,6 +562,52 @@ class Subscriber:
                     self._on_update(version)
                 return version
         raise ZmqSyncError(f"could not read a whole version after {_APPLY_ATTEMPTS} attempts")
+
+    def _follower(self, events: zmq.Socket[bytes], acks: zmq.Socket[bytes]) -> Any:
+        """A `_native.Follower` for the versions that follow on these sockets (agent
+        thread), or None where it cannot take them now: no `Switch` (the model is not
+        aliased yet, or not on the CPU), or no version of the mapped bus applied yet."""
+        link = self._link
+        with self._apply_lock:
+            target, attachment = self._target, self._attachment
+            switch = target.switch if target is not None else None
+            if (
+                FOLLOWER is None
+                or switch is None
+                or not switch.active
+                or switch.swap is None
+                or attachment is None
+                or self._sync_devices
+                or not self._bus_id
+                or self._version_bus_id != self._bus_id
+                or link.bus_id != self._bus_id
+                or not link.session
+            ):
+                return None
+            pieces, ranges = receive_pattern(self._bus_id)
+            ack_head, ack_tail = template_pieces(
+                Ack, bus=self._bus_id, worker_id=link.worker_id, session=link.session
+            )
+            return FOLLOWER(
+                libzmq=libzmq_path(),
+                events=events,
+                acks=acks,
+                pieces=pieces,
+                ranges=ranges,
+                ack_head=ack_head,
+                ack_tail=ack_tail,
+                header=attachment.header_address(),
+                slots=len(self._views),
+                switch=switch,
+                swap=switch.swap,
+                owner=weakref.ref(self),
+                lock=self._lock,
+                counters=self.counters,
+                link=link,
+                waiters=self._waiters,
+                gate=self._waiters.gate,
+                error=zmq_error,
+            )
 
     def _changed(self, bits: bytes) -> frozenset[Key]:
         """RECEIVE's bitmap as tensor keys (bit i: manifest entry i), decoded once."""
@@ -734,6 +810,9 @@ class _Port:
     fail: Callable[[BaseException], None]  # the thread failed: raise it to the user
     notify: Callable[[], None]  # the link changed: wake whoever waits on it
     waiters: _Waiters  # wake those waiting for a version once it is acked
+    # the native path for the versions that follow, on these events and acks sockets;
+    # None where this subscriber never takes it (see `_follow`)
+    follow: Callable[[zmq.Socket[bytes], zmq.Socket[bytes]], Any] | None
 
 
 class _Agent:
@@ -757,6 +836,9 @@ class _Agent:
         # poll()); both send under this lock.
         self._send_lock = threading.Lock()
         self._acks: tuple[str, str, Callable[[int], bytes]] | None = None  # session, bus
+        # The native path (see `_follow`), built for one handshake's sockets and session.
+        self._follower: Any = None
+        self._follow_tries = 0
         # The agent blocks in recv() on its SUB socket, which is also connected to this
         # inproc PUB: close() wakes it with one frame (see `_loop`).
         self._wake = self.ctx.socket(zmq.PUB)
@@ -838,6 +920,7 @@ class _Agent:
                 self.port.notify()
 
     def _close_sockets(self) -> None:
+        self._follower = None
         with self._send_lock:
             for sock in (self.events, self.acks):
                 if sock is not None:
@@ -845,6 +928,7 @@ class _Agent:
 
     def _handshake(self, deadline: Deadline, attempts: int) -> None:
         link, port = self.link, self.port
+        self._follower, self._follow_tries = None, 0  # its sockets and session go
         transport, note = port.transport()
         hello = link.hello(os.getpid(), socket.gethostname()[:255], transport, note)
         reply = self._request_welcome(hello, deadline, attempts)
@@ -930,37 +1014,53 @@ class _Agent:
         # one call (no message object), the Link's rule for it, the apply, the ACK. On
         # a machine where every worker's thread comes to its version with cold caches,
         # each call and object on this way costs microseconds, and every worker's pay
-        # adds up before the last ACK is in.
+        # adds up before the last ACK is in. Where the native Follower can be used (see
+        # `_follow`), it blocks in the receive instead and takes those versions itself;
+        # what it leaves comes here as a frame, as from recv().
         link, port = self.link, self.port
         waiters = port.waiters
         while not self._terminating:
             events = self.events
             if events is None:  # not subscribed (between handshake attempts)
                 time.sleep(min(link.heartbeat, _WAIT_CAP_S))
+                frame = None
+            elif self._follower is not None:  # the native path: it hands us what it left
+                frame = self._follow(self._follower, port, waiters)
             else:
                 try:
                     frame = events.recv()
                 except zmq.Again:  # RCVTIMEO: time to look at the clock
-                    pass
-                else:  # a frame queued behind it is the next recv()'s, at once
-                    fields = read_receive(frame, link.bus_id)
-                    if fields is not None:
-                        seq, version, slot, changed = fields
-                        action = link.on_receive(seq, version, slot, changed, time.monotonic())
-                        if type(action) is Offer:
-                            applied = port.offer(action)
-                            if applied is not None:
-                                self._ack(applied)
-                                if applied >= waiters.awaited:
-                                    waiters.wake(applied)
-                        elif action is not None:
-                            self._do(action)
-                    elif frame != XPUB_WELCOME and frame != _WAKE:
-                        self._on_frame(frame, time.monotonic())
+                    frame = None
+            if frame is not None:  # a frame queued behind it is the next recv()'s, at once
+                fields = read_receive(frame, link.bus_id)
+                if fields is not None:
+                    seq, version, slot, changed = fields
+                    action = link.on_receive(seq, version, slot, changed, time.monotonic())
+                    if type(action) is Offer:
+                        applied = port.offer(action)
+                        if applied is not None:
+                            self._applied(applied)
+                    elif action is not None:
+                        self._do(action)
+                elif frame != XPUB_WELCOME and frame != _WAKE:
+                    self._on_frame(frame, time.monotonic())
             now = time.monotonic()
             if now >= link.next_tick:
                 for due in link.tick(now, port.version()):
                     self._do(due)
+
+    def _follow(self, follower: Any, port: _Port, waiters: _Waiters) -> bytes | None:
+        """Let the Follower take the versions it can; the frame it left for us, if any."""
+        link = self.link
+        got = follower.next(link.last_seq, port.version(), link.next_tick)
+        if type(got) is int:  # applied and acked there
+            if got >= waiters.awaited:
+                waiters.wake(got)
+            return None
+        if type(got) is tuple:  # applied there; its ACK did not fit in the queue
+            self._applied(got[0])
+            return None
+        return got  # type: ignore[no-any-return]
 
     def _on_frame(self, frame: bytes, now: float) -> None:
         try:
@@ -974,9 +1074,18 @@ class _Agent:
             self._do(action)
 
     def _applied(self, version: int) -> None:
-        """`version` is what the model computes with now: ACK it, then wake its waiters."""
+        """`version` is what the model computes with now: ACK it, then wake its waiters.
+        Applied the Python way: from now on the native path may take the versions (a few
+        tries per handshake, as the first versions may come before the model is bound
+        to a `Switch`)."""
         self._ack(version)
         self.port.waiters.wake(version)
+        follow = self.port.follow
+        if follow is not None and self._follower is None and self._follow_tries < 3:
+            events, acks = self.events, self.acks
+            if events is not None and acks is not None:
+                self._follow_tries += 1
+                self._follower = follow(events, acks)
 
     def _do(self, action: Action) -> None:
         """Carry out what the Link decided."""

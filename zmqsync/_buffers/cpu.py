@@ -222,6 +222,13 @@ class CpuAttachment(AttachedBuffer):
             raise ProtocolError(f"segment {path} has no valid header for {slots} slots")
         return attached
 
+    def header_address(self) -> int:
+        """Where the header's words are mapped. They stay mapped while a view of a slot
+        lives (the mapping goes with its last view), whatever `close` did."""
+        if self._flat is None:
+            raise ValueError("buffer is closed")
+        return int(self._flat.data_ptr())
+
     def slot(self, index: int) -> torch.Tensor:
         if self._flat is None:
             raise ValueError("buffer is closed")

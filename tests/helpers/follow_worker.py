@@ -1,0 +1,30 @@
+"""A plain worker process, as a user writes one: alias mode, background apply, the main
+thread waiting for each next version. Prints what every version it saw holds (the sum
+of its weights) and, once the bus closes, its counters."""
+
+import json
+import sys
+
+import torch
+
+import zmqsync
+
+
+def main() -> int:
+    name = sys.argv[1]
+    model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(4)])
+    with zmqsync.Subscriber(name=name, model=model, mode="alias", timeout=30) as sub:
+        print(json.dumps({"event": "ready", "version": sub.version}), flush=True)
+        while not sub.stopped:
+            if sub.wait_for_version(sub.version + 1, timeout=1.0):
+                with torch.no_grad():
+                    total = float(sum(p.sum() for p in model.parameters()))
+                print(
+                    json.dumps({"event": "seen", "version": sub.version, "sum": total}), flush=True
+                )
+        print(json.dumps({"event": "done", "counters": sub.counters}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
