@@ -69,6 +69,7 @@ CORE = (
     "zmqsync._copy",
     "zmqsync._deadline",
     "zmqsync._errors",
+    "zmqsync._follow",
     "zmqsync._layout",
     "zmqsync._lifecycle",
     "zmqsync._link",

@@ -753,15 +753,31 @@ static PyObject *follower_next(Follower *self, PyObject *const *args, Py_ssize_t
         return NULL;
     }
     zmq_msg msg;
+    int acking = 0; /* the version applied last still needs its ACK and the gate opened */
     for (;;) {
-        int rc, err = 0;
+        int rc = 0, err = 0, acked = 1;
         self->msg_init(&msg);
         Py_BEGIN_ALLOW_THREADS
-        rc = self->msg_recv(&msg, self->events_sock, 0);
-        if (rc < 0) {
-            err = self->zmq_errno();
+        /* ACK and open the gate without the GIL: a thread the gate wakes takes it at
+         * once, instead of waking again when this thread lets it go */
+        if (acking) {
+            acked = send_ack(self, version);
+            if (acked && self->gate != NULL) {
+                gate_open(self->gate, version);
+            }
+        }
+        if (acked) {
+            rc = self->msg_recv(&msg, self->events_sock, 0);
+            if (rc < 0) {
+                err = self->zmq_errno();
+            }
         }
         Py_END_ALLOW_THREADS
+        acking = 0;
+        if (!acked) {
+            self->msg_close(&msg);
+            return Py_BuildValue("(L)", (long long)version);
+        }
         if (rc < 0) {
             self->msg_close(&msg);
             if (err == EAGAIN) {
@@ -818,20 +834,19 @@ static PyObject *follower_next(Follower *self, PyObject *const *args, Py_ssize_t
         }
         last_seq = f[0];
         version = f[1];
+        int ok = 1;
+        int64_t awaited = int_attr(self->waiters, s_awaited, &ok);
+        if (ok && version < awaited && now < next_tick) {
+            acking = 1; /* on the way back into the receive */
+            continue;
+        }
         if (!send_ack(self, version)) {
-            return Py_BuildValue("(L)", (long long)version);
+            return ok ? Py_BuildValue("(L)", (long long)version) : NULL;
         }
         if (self->gate != NULL) {
             gate_open(self->gate, version);
         }
-        int ok = 1;
-        int64_t awaited = int_attr(self->waiters, s_awaited, &ok);
-        if (!ok) {
-            return NULL;
-        }
-        if (version >= awaited || now >= next_tick) {
-            return PyLong_FromLongLong(version);
-        }
+        return ok ? PyLong_FromLongLong(version) : NULL;
     }
 }
 
