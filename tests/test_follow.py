@@ -157,16 +157,38 @@ def test_a_gate_wakes_the_threads_waiting_for_a_version_it_reaches():
     assert gate.version == 3 and gate.wait(2, 0.0)
 
 
-def test_a_gate_wait_times_out_and_a_kick_wakes_it_early():
+def test_a_gate_wait_times_out_and_a_kick_ends_it_early():
     gate = native.Gate(5)
     assert gate.wait(6, 0.05) is False
     got: list[tuple[bool, float]] = []
-    waiter = threading.Thread(target=_waits, args=(gate, 6, 1.0, got))
+    waiter = threading.Thread(target=_waits, args=(gate, 6, 20.0, got))
     waiter.start()
     time.sleep(0.1)
-    gate.kick()  # woken to look at something else; the version is not reached: waits on
-    waiter.join(5)
-    assert got and got[0][0] is False and got[0][1] >= 0.9
+    gate.kick()  # look at something else (a close): the version was not reached
+    waiter.join(20)
+    assert got and got[0][0] is False and got[0][1] < 10
+    assert gate.wait(5, None) is True, "no limit, and reached already"
+
+
+def test_close_releases_a_thread_waiting_for_a_version_at_once(name):
+    with zmqsync.Publisher(torch.nn.Linear(4, 4), name=name, timeout=20):
+        sub = zmqsync.Subscriber(name=name, model=torch.nn.Linear(4, 4), mode="alias").start()
+        errors: list[BaseException] = []
+
+        def wait() -> None:
+            try:
+                sub.wait_for_version(10**6, timeout=None)
+            except BaseException as exc:  # the ClosedError it must raise
+                errors.append(exc)
+
+        waiter = threading.Thread(target=wait)
+        waiter.start()
+        time.sleep(0.2)
+        start = time.monotonic()
+        sub.close()
+        waiter.join(20)
+        assert not waiter.is_alive() and time.monotonic() - start < 10
+        assert [type(e) for e in errors] == [zmqsync.ClosedError]
 
 
 # --- whole workers, both ways -----------------------------------------------------------

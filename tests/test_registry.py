@@ -8,9 +8,11 @@ may be reading, or (alias mode) computes with, is never handed out.
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from zmqsync._protocol import Hello
-from zmqsync._registry import Registry, WorkerInfo
+from zmqsync._registry import Member, Registry, WorkerInfo
 
 BUS = "0123456789abcdef"
 
@@ -362,3 +364,33 @@ def test_taking_the_id_of_a_silent_session_displaces_nothing():
     assert reg.claim(hello("w0", mode="alias", pid=7), now=10.0, silent_after=3.0) is None
     reg.join(hello("w0", mode="alias", pid=7), "s1", now=10.0)
     assert reg.displaced == {} and reg.members["w0"].pid == 7
+
+
+# --- the slot rule, written out once for speed, against its plain form ------------------
+
+_MEMBER = st.tuples(
+    st.sampled_from(["copy", "alias"]),
+    st.integers(-1, 6),  # floor
+    st.integers(-1, 6),  # acked
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    slot_versions=st.lists(st.integers(-1, 6), min_size=1, max_size=4),
+    latest=st.integers(-1, 6),
+    members=st.lists(_MEMBER, max_size=5),
+    displaced=st.lists(_MEMBER, max_size=2),
+)
+def test_free_slot_is_the_oldest_slot_without_holders(slot_versions, latest, members, displaced):
+    reg = Registry(len(slot_versions))
+    reg.slot_versions, reg.latest = list(slot_versions), latest
+    for i, (mode, floor, acked) in enumerate(members + displaced):
+        member = Member(f"w{i}", f"s{i}", 100, "host", mode, "cpu", floor, acked)
+        if i < len(members):
+            reg.members[member.worker_id] = member
+        else:
+            reg.displaced[member.session] = member
+    order = sorted(range(len(slot_versions)), key=lambda s: slot_versions[s])
+    expected = next((slot for slot in order if not reg.holders(slot)), None)
+    assert reg.free_slot() == expected

@@ -269,6 +269,7 @@ typedef struct {
     int64_t version;  /* the version applied last (atomic) */
     uint32_t turn;    /* bumped by every open() that finds sleepers: the futex word */
     int32_t sleepers; /* threads in wait() (atomic) */
+    uint32_t kicks;   /* bumped by kick(): a waiter returns to look again (atomic) */
 } Gate;
 
 static void gate_open(Gate *gate, int64_t version)
@@ -298,7 +299,7 @@ static PyObject *gate_wait(Gate *self, PyObject *const *args, Py_ssize_t nargs)
     }
     int overflow = 0; /* a version past every int64 is never reached: wait it out */
     long long want = PyLong_AsLongLongAndOverflow(args[0], &overflow);
-    double timeout = PyFloat_AsDouble(args[1]);
+    double timeout = args[1] == Py_None ? -1.0 : PyFloat_AsDouble(args[1]);
     if (PyErr_Occurred()) {
         return NULL;
     }
@@ -309,6 +310,7 @@ static PyObject *gate_wait(Gate *self, PyObject *const *args, Py_ssize_t nargs)
     Py_BEGIN_ALLOW_THREADS
     struct timespec start, now;
     clock_gettime(CLOCK_MONOTONIC, &start);
+    uint32_t kicks = __atomic_load_n(&self->kicks, __ATOMIC_SEQ_CST);
     __atomic_add_fetch(&self->sleepers, 1, __ATOMIC_SEQ_CST);
     for (;;) {
         uint32_t turn = __atomic_load_n(&self->turn, __ATOMIC_SEQ_CST);
@@ -316,14 +318,22 @@ static PyObject *gate_wait(Gate *self, PyObject *const *args, Py_ssize_t nargs)
             reached = 1;
             break;
         }
-        clock_gettime(CLOCK_MONOTONIC, &now);
-        double left = timeout - ((double)(now.tv_sec - start.tv_sec)
-                                 + (double)(now.tv_nsec - start.tv_nsec) * 1e-9);
-        if (left <= 0) {
+        if (__atomic_load_n(&self->kicks, __ATOMIC_SEQ_CST) != kicks) {
             break;
         }
-        struct timespec wait = {(time_t)left, (long)((left - (double)(time_t)left) * 1e9)};
-        syscall(SYS_futex, &self->turn, FUTEX_WAIT_PRIVATE, turn, &wait, NULL, 0);
+        struct timespec wait, *until = NULL;
+        if (timeout >= 0) {
+            clock_gettime(CLOCK_MONOTONIC, &now);
+            double left = timeout - ((double)(now.tv_sec - start.tv_sec)
+                                     + (double)(now.tv_nsec - start.tv_nsec) * 1e-9);
+            if (left <= 0) {
+                break;
+            }
+            wait.tv_sec = (time_t)left;
+            wait.tv_nsec = (long)((left - (double)wait.tv_sec) * 1e9);
+            until = &wait;
+        }
+        syscall(SYS_futex, &self->turn, FUTEX_WAIT_PRIVATE, turn, until, NULL, 0);
     }
     __atomic_sub_fetch(&self->sleepers, 1, __ATOMIC_SEQ_CST);
     Py_END_ALLOW_THREADS
@@ -332,7 +342,9 @@ static PyObject *gate_wait(Gate *self, PyObject *const *args, Py_ssize_t nargs)
 
 static PyObject *gate_kick(Gate *self, PyObject *unused)
 {
-    gate_open(self, __atomic_load_n(&self->version, __ATOMIC_SEQ_CST));
+    __atomic_add_fetch(&self->kicks, 1, __ATOMIC_SEQ_CST);
+    __atomic_add_fetch(&self->turn, 1, __ATOMIC_SEQ_CST);
+    syscall(SYS_futex, &self->turn, FUTEX_WAKE_PRIVATE, INT32_MAX, NULL, NULL, 0);
     Py_RETURN_NONE;
 }
 
@@ -357,9 +369,10 @@ static PyMethodDef gate_methods[] = {
      "open(version, /)\n--\n\n`version` is applied: wake the threads waiting."},
     {"wait", (PyCFunction)(void (*)(void))gate_wait, METH_FASTCALL,
      "wait(version, timeout, /)\n--\n\nSleep without the GIL until a version >= `version`"
-     " is opened or `timeout` seconds pass; whether it was."},
+     " is opened, `timeout` seconds pass (None: no limit) or a kick(); whether it was"
+     " opened."},
     {"kick", (PyCFunction)gate_kick, METH_NOARGS,
-     "kick()\n--\n\nWake the threads waiting, to look at something else (a close)."},
+     "kick()\n--\n\nWake every thread waiting, to look at something else (a close)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -395,15 +395,22 @@ class Subscriber:
 
         In manual mode this applies pending versions itself (it is a safe point).
         """
+        if self._version >= version:  # first: a thread that waits for each next version
+            return True  # comes here once per version, with cold caches
         deadline = Deadline(self._timeout if timeout is DEFAULT else timeout)
+        gate = self._waiters.gate if self.apply == "background" else None
+        if gate is not None:  # one wait per version: the gate opens once it is acked, and
+            while self._version < version:  # a kick (closed, stopped, lost) ends it early
+                self._check_usable()
+                if not gate.wait(version, deadline.remaining()) and deadline.expired():
+                    return self._version >= version
+            return True
         while self._version < version:
             self._check_usable()
             if deadline.expired():
                 return False
             if self.apply == "manual":
                 self.poll(deadline.wait_s(0.5))
-            elif self._waiters.gate is not None:
-                self._waiters.gate.wait(version, deadline.wait_s(0.5))
             else:
                 with self._cond:
                     if self._version < version:
