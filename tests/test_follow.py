@@ -1,4 +1,5 @@
-"""The native per-version path (`_native.Follower`) and the native wait (`_native.Gate`).
+"""The native per-version paths: a worker's (`_native.Follower`), its waiters' (`Gate`),
+and the publisher's ACK reader (`AckReader`).
 
 The Follower must take only RECEIVEs that `read_receive` takes, with the same fields
 (checked byte for byte, on the publisher's frames, their mutations and hypothesis'
@@ -17,11 +18,23 @@ import time
 import msgpack
 import pytest
 import torch
+import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import zmqsync
-from zmqsync._protocol import Ack, Receive, read_receive, receive_pattern, template, template_pieces
+from zmqsync._follow import libzmq_path, zmq_error
+from zmqsync._protocol import (
+    Ack,
+    Receive,
+    ack_pattern,
+    decode,
+    read_ack,
+    read_receive,
+    receive_pattern,
+    template,
+    template_pieces,
+)
 
 native = pytest.importorskip("zmqsync._native", reason="the native extension is not built")
 if not hasattr(native, "Follower"):
@@ -223,3 +236,60 @@ def test_a_plain_worker_process_sees_every_version_whole(name, spawn, monkeypatc
         assert done["native"] >= 25, done  # all but the first few (before the switch)
     else:
         assert done["native"] == 0, done
+
+
+# --- the publisher's side: ACKs read in batches ------------------------------------------
+
+
+def _ack_frames() -> list[bytes]:
+    frame = template(Ack, bus=BUS, worker_id="w-1", session="00aa11bb22cc33dd")
+    return [frame(v) for v in (0, 1, 127, 255, 65_536, 2**40)]
+
+
+def test_the_ack_reader_takes_only_what_read_ack_takes_with_the_same_fields():
+    decode(_ack_frames()[0])  # its worker id and session pass their checks once
+    rng = random.Random(5)
+    frames = list(_ack_frames())
+    for frame in _ack_frames():
+        frames += [frame[:cut] for cut in range(len(frame))]
+        for _ in range(200):
+            data = bytearray(frame)
+            data[rng.randrange(len(data))] = rng.randrange(256)
+            frames.append(bytes(data))
+    other = template(Ack, bus=BUS, worker_id="never-checked", session="00aa11bb22cc33dd")
+    frames.append(other(3))  # a worker id no check passed yet: decode's to judge
+    ctx = zmq.Context()
+    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    try:
+        pull.bind("inproc://acks")
+        push.connect("inproc://acks")
+        pull.rcvtimeo = 1000
+        reader = native.AckReader(
+            libzmq=libzmq_path(),
+            socket=pull,
+            pieces=ack_pattern(BUS)[0],
+            versions=ack_pattern(BUS)[1],
+            ids=ack_pattern(BUS)[2],
+            sessions=ack_pattern(BUS)[3],
+            error=zmq_error,
+        )
+        for frame in frames:
+            push.send(frame)
+        push.send_multipart([b"a", b"b"])
+        items: list[tuple] = []
+        while len(items) < len(frames) + 2:
+            got = reader.read(1000)
+            assert got, "every frame sent is read"
+            items += got
+        assert reader.read(10) == [], "nothing more queued: returns after RCVTIMEO"
+    finally:
+        ctx.destroy(linger=0)
+    taken = 0
+    for frame, item in zip(frames, items, strict=False):
+        if type(item[0]) is str:
+            taken += 1
+            assert item == read_ack(frame, BUS), frame
+        else:
+            assert item == (frame, False)
+    assert taken >= len(_ack_frames()) and items[len(frames) - 1] == (frames[-1], False)
+    assert items[-2:] == [(b"a", True), (b"b", False)]

@@ -1,4 +1,5 @@
-/* zmqsync._native.Follower: a worker's per-version path, from RECEIVE to ACK, in C.
+/* zmqsync._native.Follower: a worker's per-version path, from RECEIVE to ACK, in C (and
+ * its waiters' Gate, and the publisher's AckReader, below).
  *
  * Alias mode on the CPU, background apply: a version is one RECEIVE read, one seqlock
  * check, one storage pointer swap and one ACK sent. Written in Python, those steps cost
@@ -42,6 +43,7 @@ typedef size_t (*msg_size_fn)(const zmq_msg *);
 typedef int (*msg_close_fn)(zmq_msg *);
 typedef int (*send_fn)(void *, const void *, size_t, int);
 typedef int (*errno_fn)(void);
+typedef int (*msg_more_fn)(const zmq_msg *);
 
 #define ZMQ_DONTWAIT 1
 #define FIRST_SLOT_WORD 8
@@ -122,6 +124,40 @@ static int read_bin(const unsigned char **at, const unsigned char *end, Py_ssize
     *len = (Py_ssize_t)size;
     *at = p + size;
     return 1;
+}
+
+/* a msgpack str, decoded as msgpack's unpackb(raw=False) does (strict UTF-8); NULL
+ * without an error set when `at` holds none, NULL with one when it failed */
+static PyObject *read_str(const unsigned char **at, const unsigned char *end)
+{
+    const unsigned char *p = *at;
+    if (p >= end) {
+        return NULL;
+    }
+    unsigned char tag = *p++;
+    uint64_t size = 0;
+    int n = 0;
+    if (tag >= 0xa0 && tag <= 0xbf) {
+        size = tag & 0x1f;
+    } else {
+        n = tag == 0xd9 ? 1 : tag == 0xda ? 2 : tag == 0xdb ? 4 : -1;
+        if (n < 0 || end - p < n) {
+            return NULL;
+        }
+        for (int i = 0; i < n; i++) {
+            size = size << 8 | p[i];
+        }
+        p += n;
+    }
+    if ((uint64_t)(end - p) < size) {
+        return NULL;
+    }
+    PyObject *out = PyUnicode_DecodeUTF8((const char *)p, (Py_ssize_t)size, NULL);
+    if (out == NULL && PyErr_ExceptionMatches(PyExc_UnicodeDecodeError)) {
+        PyErr_Clear(); /* not valid text: not an ACK we read here */
+    }
+    *at = p + size;
+    return out;
 }
 
 static Py_ssize_t pack_int(int64_t v, unsigned char *out)
@@ -888,9 +924,242 @@ static PyTypeObject FollowerType = {
     .tp_methods = follower_methods,
 };
 
+/* --- the publisher's side: ACKs read in batches ---------------------------------------- */
+
+/* A publishing thread collects one ACK per worker per version. Read from Python (a recv,
+ * `read_ack`, the loop around them) each cost it ~14 us of CPU on a cold thread, as many
+ * times as there are workers. AckReader.read() takes every ACK already queued in one
+ * call: an ACK written as the workers' template writes it, with a worker id and a
+ * session that passed the protocol's checks before (its `passed` sets), becomes a tuple
+ * (worker_id, session, version), which is what `read_ack` returns for it; any other
+ * frame comes back as (bytes, more) for the Python way. */
+typedef struct {
+    PyObject_HEAD
+    msg_init_fn msg_init;
+    msg_recv_fn msg_recv;
+    msg_data_fn msg_data;
+    msg_size_fn msg_size;
+    msg_close_fn msg_close;
+    msg_more_fn msg_more;
+    errno_fn zmq_errno;
+    void *sock;
+    PyObject *socket;   /* the pyzmq socket, kept open while this uses it */
+    PyObject *pieces;   /* head, after worker_id, after session, tail */
+    int64_t lo, hi;     /* the version's range */
+    PyObject *ids, *sessions; /* the strings that passed the protocol's checks */
+    PyObject *error;
+} AckReader;
+
+static int load_libzmq(const char *path, void **lib)
+{
+    *lib = dlopen(path, RTLD_NOW | RTLD_NOLOAD);
+    if (*lib == NULL) {
+        PyErr_Format(PyExc_ImportError, "libzmq is not loaded from %s", path);
+        return 0;
+    }
+    return 1;
+}
+
+static int reader_init(AckReader *self, PyObject *args, PyObject *kwds)
+{
+    static char *kw[] = {"libzmq", "socket", "pieces", "versions", "ids", "sessions",
+                         "error", NULL};
+    const char *libzmq;
+    PyObject *sock, *pieces, *ids, *sessions, *error;
+    long long lo, hi;
+    if (self->socket != NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "AckReader is set up once");
+        return -1;
+    }
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "sOO!(LL)O!O!O:AckReader", kw, &libzmq, &sock,
+                                     &PyTuple_Type, &pieces, &lo, &hi, &PySet_Type, &ids,
+                                     &PySet_Type, &sessions, &error)) {
+        return -1;
+    }
+    if (PyTuple_GET_SIZE(pieces) != 4) {
+        PyErr_SetString(PyExc_ValueError, "an ACK pattern has 4 pieces");
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < 4; i++) {
+        if (!PyBytes_Check(PyTuple_GET_ITEM(pieces, i))) {
+            PyErr_SetString(PyExc_TypeError, "an ACK pattern's pieces are bytes");
+            return -1;
+        }
+    }
+    void *lib;
+    if (!load_libzmq(libzmq, &lib)
+        || !(self->msg_init = (msg_init_fn)symbol(lib, "zmq_msg_init"))
+        || !(self->msg_recv = (msg_recv_fn)symbol(lib, "zmq_msg_recv"))
+        || !(self->msg_data = (msg_data_fn)symbol(lib, "zmq_msg_data"))
+        || !(self->msg_size = (msg_size_fn)symbol(lib, "zmq_msg_size"))
+        || !(self->msg_close = (msg_close_fn)symbol(lib, "zmq_msg_close"))
+        || !(self->msg_more = (msg_more_fn)symbol(lib, "zmq_msg_more"))
+        || !(self->zmq_errno = (errno_fn)symbol(lib, "zmq_errno"))
+        || !(self->sock = socket_address(sock))) {
+        return -1;
+    }
+    self->lo = lo;
+    self->hi = hi;
+    self->socket = Py_NewRef(sock);
+    self->pieces = Py_NewRef(pieces);
+    self->ids = Py_NewRef(ids);
+    self->sessions = Py_NewRef(sessions);
+    self->error = Py_NewRef(error);
+    return 0;
+}
+
+static int reader_traverse(AckReader *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->socket);
+    Py_VISIT(self->pieces);
+    Py_VISIT(self->ids);
+    Py_VISIT(self->sessions);
+    Py_VISIT(self->error);
+    return 0;
+}
+
+static int reader_clear(AckReader *self)
+{
+    Py_CLEAR(self->socket);
+    Py_CLEAR(self->pieces);
+    Py_CLEAR(self->ids);
+    Py_CLEAR(self->sessions);
+    Py_CLEAR(self->error);
+    return 0;
+}
+
+static void reader_dealloc(AckReader *self)
+{
+    PyObject_GC_UnTrack(self);
+    reader_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* (worker_id, session, version) of an ACK written as `pieces` say, with a worker id and
+ * a session in the passed sets; NULL without an error set for anything else */
+static PyObject *match_ack(AckReader *self, const unsigned char *data, size_t size)
+{
+    const unsigned char *at = data, *end = data + size;
+    PyObject *pieces = self->pieces;
+    int64_t version;
+    if (!expect(&at, end, PyTuple_GET_ITEM(pieces, 0))) {
+        return NULL;
+    }
+    PyObject *worker = read_str(&at, end);
+    if (worker == NULL) {
+        return NULL;
+    }
+    PyObject *session = NULL;
+    if (expect(&at, end, PyTuple_GET_ITEM(pieces, 1)) && (session = read_str(&at, end)) != NULL
+        && expect(&at, end, PyTuple_GET_ITEM(pieces, 2)) && read_int(&at, end, &version)
+        && version >= self->lo && version <= self->hi
+        && expect(&at, end, PyTuple_GET_ITEM(pieces, 3)) && at == end
+        && PySet_Contains(self->ids, worker) == 1 && PySet_Contains(self->sessions, session) == 1) {
+        PyObject *out = Py_BuildValue("(OOL)", worker, session, (long long)version);
+        Py_DECREF(worker);
+        Py_DECREF(session);
+        return out;
+    }
+    Py_DECREF(worker);
+    Py_XDECREF(session);
+    if (PyErr_Occurred() && !PyErr_ExceptionMatches(PyExc_MemoryError)) {
+        PyErr_Clear(); /* a set lookup of a str does not fail; if it did: the Python way */
+    }
+    return NULL;
+}
+
+PyDoc_STRVAR(read_doc,
+"read(most, /)\n--\n\n"
+"At most `most` frames from the socket: the first as its receive allows (blocking up to\n"
+"its RCVTIMEO), then only those already queued. A list of (worker_id, session, version)\n"
+"for each ACK read here, and (bytes, more) for any other frame; empty if none came.");
+
+static PyObject *reader_read(AckReader *self, PyObject *arg)
+{
+    Py_ssize_t most = PyLong_AsSsize_t(arg);
+    if (most == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (self->socket == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "AckReader is not set up");
+        return NULL;
+    }
+    PyObject *out = PyList_New(0);
+    if (out == NULL) {
+        return NULL;
+    }
+    zmq_msg msg;
+    for (Py_ssize_t got = 0; got < most; got++) {
+        int rc, err = 0;
+        int flags = got ? ZMQ_DONTWAIT : 0;
+        self->msg_init(&msg);
+        if (got) {
+            rc = self->msg_recv(&msg, self->sock, flags); /* queued: no wait */
+        } else {
+            Py_BEGIN_ALLOW_THREADS
+            rc = self->msg_recv(&msg, self->sock, flags);
+            Py_END_ALLOW_THREADS
+        }
+        if (rc < 0) {
+            err = self->zmq_errno();
+            self->msg_close(&msg);
+            if (err == EAGAIN || err == EINTR) {
+                break;
+            }
+            PyObject *exc = PyObject_CallFunction(self->error, "i", err);
+            if (exc != NULL) {
+                PyErr_SetObject((PyObject *)Py_TYPE(exc), exc);
+                Py_DECREF(exc);
+            }
+            Py_DECREF(out);
+            return NULL;
+        }
+        const unsigned char *data = self->msg_data(&msg);
+        size_t size = self->msg_size(&msg);
+        int more = self->msg_more(&msg);
+        PyObject *item = more ? NULL : match_ack(self, data, size);
+        if (item == NULL && !PyErr_Occurred()) {
+            item = Py_BuildValue("(y#O)", (const char *)data, (Py_ssize_t)size,
+                                 more ? Py_True : Py_False);
+        }
+        self->msg_close(&msg);
+        if (item == NULL || PyList_Append(out, item) < 0) {
+            Py_XDECREF(item);
+            Py_DECREF(out);
+            return NULL;
+        }
+        Py_DECREF(item);
+    }
+    return out;
+}
+
+static PyMethodDef reader_methods[] = {
+    {"read", (PyCFunction)reader_read, METH_O, read_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject AckReaderType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "zmqsync._native.AckReader",
+    .tp_basicsize = sizeof(AckReader),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "AckReader(*, libzmq, socket, pieces, versions, ids, sessions, error)\n--\n\n"
+              "A publisher's acks socket, read in batches (see `AckReader.read`).",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)reader_init,
+    .tp_dealloc = (destructor)reader_dealloc,
+    .tp_traverse = (traverseproc)reader_traverse,
+    .tp_clear = (inquiry)reader_clear,
+    .tp_methods = reader_methods,
+};
+
 int zs_add_follower(PyObject *module)
 {
-    if (!intern_names() || PyType_Ready(&FollowerType) < 0 || PyType_Ready(&GateType) < 0) {
+    if (!intern_names() || PyType_Ready(&FollowerType) < 0 || PyType_Ready(&GateType) < 0
+        || PyType_Ready(&AckReaderType) < 0) {
+        return -1;
+    }
+    if (PyModule_AddObjectRef(module, "AckReader", (PyObject *)&AckReaderType) < 0) {
         return -1;
     }
     if (PyModule_AddObjectRef(module, "Gate", (PyObject *)&GateType) < 0) {

@@ -14,6 +14,9 @@ Python way, which does the same.
 A thread in `Subscriber.wait_for_version` sleeps on a `_native.Gate` (a futex) when the
 extension is there, whichever way the versions come: the Follower opens it without
 going back to Python, and the thread's wake-up skips Condition.wait's machinery.
+
+On the publisher's side, the thread that waits for a version's ACKs reads those already
+queued in one call (`_native.AckReader`), unless a tap must see every message.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from typing import Any
 
 import zmq
 
-__all__ = ["FOLLOWER", "GATE", "libzmq_path", "zmq_error"]
+__all__ = ["ACK_READER", "FOLLOWER", "GATE", "libzmq_path", "zmq_error"]
 
 
 def _native_class(name: str) -> Any:
@@ -62,3 +65,5 @@ def zmq_error(errno: int) -> zmq.ZMQError:
 FOLLOWER = _native_class("Follower") if libzmq_path() is not None else None
 # Threads waiting for a version sleep on a native Gate's futex; None: on a Condition.
 GATE = _native_class("Gate")
+# The publisher's ACKs read in batches; None: one by one from Python.
+ACK_READER = _native_class("AckReader") if libzmq_path() is not None else None

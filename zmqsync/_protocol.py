@@ -54,6 +54,7 @@ __all__ = [
     "contiguous_stride",
     "Welcome",
     "WorkerState",
+    "ack_pattern",
     "binary",
     "choice",
     "counters",
@@ -900,6 +901,16 @@ _CHANGED_MAX = _BIN_MAX[_CHANGED]
 _RECEIVE_KEYS = len(fields(Receive)) + 2  # + proto and type
 _ACK_KEYS = len(fields(Ack)) + 2
 _IDS_PASSED, _SESSIONS_PASSED = _TEXT_PASSED[_ID], _TEXT_PASSED[_SESSION]
+
+
+def ack_pattern(bus: str) -> tuple[tuple[bytes, ...], tuple[int, int], set[str], set[str]]:
+    """An ACK of `bus` as workers write it, for a native reader: the pieces around
+    worker_id, session and version (`template_pieces`), the version's range, and the
+    worker ids and sessions that passed their checks before (the sets `read_ack` looks
+    in, kept up to date here). A frame made of these, whose ids are in those sets, is
+    one `read_ack` takes, with the same values; any other frame is left to `decode`."""
+    pieces = template_pieces(Ack, bus=bus)
+    return pieces, (_VERSION_LO, _VERSION_HI), _IDS_PASSED, _SESSIONS_PASSED
 
 
 def receive_pattern(bus: str) -> tuple[tuple[bytes, ...], tuple[int, ...]]:

@@ -31,6 +31,7 @@ from ._config import XPUB_WELCOME
 from ._connections import Gate
 from ._deadline import Deadline
 from ._errors import ProtocolError, ZmqSyncError
+from ._follow import ACK_READER, libzmq_path, zmq_error
 from ._protocol import (
     BufferInfo,
     Bye,
@@ -41,6 +42,7 @@ from ._protocol import (
     State,
     Tap,
     Welcome,
+    ack_pattern,
     decode,
     encode,
     read_ack,
@@ -68,6 +70,7 @@ log = logging.getLogger(__name__)
 _SUBSCRIBE_ALL = b"\x01"  # the only subscription the protocol uses: to every event
 IO_LOCK_S = 30.0  # the agent holds `io` for one bounded step; longer means it is stuck
 _COLLECT_WAIT_S = 0.005  # longest blocking recv while collecting acks
+_BATCH_MAX = 256  # frames read per turn by the native reader (then the lock, done())
 
 
 @dataclasses.dataclass(eq=False)
@@ -118,6 +121,8 @@ class Agent:
         self._pipe_in.bind(self._pipe_addr)
         self._failure: BaseException | None = None
         self.tap: zmq.Socket[bytes] | None = None
+        self._ack_reader: Any = None  # `_native.AckReader` over `acks` (see `collect`)
+        self._in_multipart = False  # the native reader is inside a multipart message
         self.endpoints: dict[str, str] = {}  # cached: LAST_ENDPOINT is a socket call
         self.closed = False  # the sockets are closed (set under `_io`)
         self._auth: Authenticator | None = None
@@ -152,6 +157,7 @@ class Agent:
         self._release()
 
     def _release(self) -> None:
+        self._ack_reader = None  # it uses the acks socket, which goes with the context
         with self.shared.pipe_lock:
             self._pipe_in.close()
         if self._auth is not None:
@@ -184,6 +190,7 @@ class Agent:
             if self.shared.io.acquire(timeout=IO_LOCK_S):
                 try:
                     self.closed = True
+                    self._ack_reader = None
                     for sock in (self.pipe, *bound):
                         sock.close()
                 finally:
@@ -268,6 +275,17 @@ class Agent:
         self._ack_poller = zmq.Poller()  # for the thread that holds `_io`
         self._ack_poller.register(self.acks, zmq.POLLIN)
         self.acks.rcvtimeo = int(_COLLECT_WAIT_S * 1000)  # only `collect` blocks in recv
+        if ACK_READER is not None and self.tap is None:  # a tap sees every message decoded
+            pieces, versions, ids, sessions = ack_pattern(self.role.bus_id)
+            self._ack_reader = ACK_READER(
+                libzmq=libzmq_path(),
+                socket=self.acks,
+                pieces=pieces,
+                versions=versions,
+                ids=ids,
+                sessions=sessions,
+                error=zmq_error,
+            )
         self.endpoints = {
             "events": self.events.getsockopt_string(zmq.LAST_ENDPOINT),
             "acks": self.acks.getsockopt_string(zmq.LAST_ENDPOINT),
@@ -352,8 +370,12 @@ class Agent:
         an ACK is read by `read_ack` (no message object) unless a tap must see it, the
         registry's lock is taken as the plain lock, and other waiters on the condition
         are woken once, when this turn ends, rather than per ack (they wait in turns of
-        at most FAST_COLLECT_S and look again).
+        at most FAST_COLLECT_S and look again). With the native extension the acks
+        already queued are read in one call per turn instead (`_collect_batches`).
         """
+        if self._ack_reader is not None:
+            self._collect_batches(self._ack_reader, done, deadline)
+            return
         shared, acks, role = self.shared, self.acks, self.role
         lock, bus = shared.lock, role.bus_id
         ack: tuple[str, str, int] | None = None
@@ -389,6 +411,58 @@ class Agent:
             if changed:
                 with shared.cond:
                     shared.cond.notify_all()
+
+    def _collect_batches(self, reader: Any, done: Callable[[], bool], deadline: Deadline) -> None:
+        """`collect` with the native reader: every turn takes what is queued (at least
+        one frame, waiting up to the socket's RCVTIMEO for it), applies its ACKs under
+        one lock, then asks `done()`. Other frames are decoded as `_read` does; a
+        multipart message (never ours) is dropped, counted once."""
+        shared, role = self.shared, self.role
+        lock = shared.lock
+        batch: list[tuple[Any, ...]] = []
+        msgs: list[Message] = []
+        changed = False
+        now = 0.0
+        try:
+            while True:
+                with lock:
+                    for item in batch:
+                        if type(item[0]) is str:
+                            changed |= role.on_ack(item[0], item[1], item[2], now)
+                    for msg in msgs:
+                        changed |= self._on_worker_message(msg, now)
+                    if done():
+                        return
+                left = deadline.remaining()
+                if left is not None and left < _COLLECT_WAIT_S:
+                    if left <= 0:
+                        return
+                    if not self._ack_poller.poll(deadline.poll_ms()):
+                        batch, msgs = [], []
+                        continue
+                batch = reader.read(_BATCH_MAX)
+                now = time.monotonic()
+                msgs = [m for m in map(self._read_part, batch) if m is not None]
+        finally:
+            if changed:
+                with shared.cond:
+                    shared.cond.notify_all()
+
+    def _read_part(self, item: tuple[Any, ...]) -> Message | None:
+        """A frame the native reader did not take as an ACK, as a message (or None). The
+        parts of a multipart message are dropped, the message counted once."""
+        if type(item[0]) is str:
+            return None  # an ACK, applied as it is
+        frame, more = item
+        if self._in_multipart:
+            self._in_multipart = more
+            return None
+        if more:
+            self._in_multipart = True
+            self._count("rejected")
+            log.debug("dropped message on acks: expected one frame, got several")
+            return None
+        return self._message(frame)
 
     def send_event(self, msg: Message, peer: str = "") -> None:
         """Send on the events socket (caller holds `_io`)."""
@@ -564,9 +638,15 @@ class Agent:
                 except zmq.Again:
                     break
                 tail = rest.more and budget.spend(len(rest))
+            self._count("rejected")
+            log.debug("dropped message on acks: expected one frame, got several")
+            self._mirror("in", "", frame[:4096])
+            return None
+        return self._message(frame)
+
+    def _message(self, frame: bytes) -> Message | None:
+        """One whole frame from the acks socket as a message; None (counted) if it is not."""
         try:
-            if more:
-                raise ProtocolError("expected one frame, got several")
             msg = decode(frame, bus=self.role.bus_id)
         except ProtocolError as exc:
             self._count("rejected")
