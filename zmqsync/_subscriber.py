@@ -397,19 +397,26 @@ class Subscriber:
         """
         if self._version >= version:  # first: a thread that waits for each next version
             return True  # comes here once per version, with cold caches
-        deadline = Deadline(self._timeout if timeout is DEFAULT else timeout)
+        seconds = self._timeout if timeout is DEFAULT else timeout
         gate = self._waiters.gate if self.apply == "background" else None
-        if gate is not None:  # one wait per version: the gate opens once it is acked, and
-            while self._version < version:  # a kick (closed, stopped, lost) ends it early
-                self._check_usable()
-                if not gate.wait(version, deadline.remaining()) and deadline.expired():
-                    return self._version >= version
-            return True
+        if gate is not None and (seconds is None or seconds >= 0):
+            # One wait per version, and nothing else: the gate opens once the version is
+            # acked; a kick (closed, stopped, lost) ends it early, and the loop below
+            # looks at why with the time left.
+            start = time.monotonic()
+            self._check_usable()
+            if gate.wait(version, seconds) and self._version >= version:
+                return True
+            if seconds is not None:
+                seconds = max(0.0, seconds - (time.monotonic() - start))
+        deadline = Deadline(seconds)
         while self._version < version:
             self._check_usable()
             if deadline.expired():
                 return False
-            if self.apply == "manual":
+            if gate is not None:
+                gate.wait(version, deadline.remaining())
+            elif self.apply == "manual":
                 self.poll(deadline.wait_s(0.5))
             else:
                 with self._cond:
