@@ -23,6 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import zmqsync
+from tests.test_fixed_cost import BUS, _acks, _receives
 from zmqsync._follow import libzmq_path, zmq_error
 from zmqsync._protocol import (
     Ack,
@@ -40,7 +41,6 @@ native = pytest.importorskip("zmqsync._native", reason="the native extension is 
 if not hasattr(native, "Follower"):
     pytest.skip("an older build of the native extension", allow_module_level=True)
 
-BUS = "0123456789abcdef"
 PIECES, RANGES = receive_pattern(BUS)
 
 
@@ -54,17 +54,9 @@ def _read(frame: bytes) -> tuple[int, int, int] | None:
 
 
 def _frames() -> list[bytes]:
-    frame = template(Receive, bus=BUS)
-    return [
-        frame(seq, version, slot, changed)
-        for seq, version, slot, changed in (
-            (1, 0, 0, b""),
-            (2, 127, 1, b"\x01"),
-            (300, 70_000, 63, b"\xff" * 9),
-            (2**40, 2**62, 5, b""),
-            (2**63 - 1, 2**63 - 1, 0, b"\x00" * 300),
-        )
-    ]
+    """test_fixed_cost's RECEIVEs, and one at the top of every range."""
+    top = template(Receive, bus=BUS)(2**63 - 1, 2**63 - 1, 0, b"\x00" * 300)
+    return [*_receives(), top]
 
 
 def test_the_follower_reads_the_publishers_receives_as_read_receive_does():
@@ -241,16 +233,11 @@ def test_a_plain_worker_process_sees_every_version_whole(name, spawn, monkeypatc
 # --- the publisher's side: ACKs read in batches ------------------------------------------
 
 
-def _ack_frames() -> list[bytes]:
-    frame = template(Ack, bus=BUS, worker_id="w-1", session="00aa11bb22cc33dd")
-    return [frame(v) for v in (0, 1, 127, 255, 65_536, 2**40)]
-
-
 def test_the_ack_reader_takes_only_what_read_ack_takes_with_the_same_fields():
-    decode(_ack_frames()[0])  # its worker id and session pass their checks once
+    decode(_acks()[0])  # its worker id and session pass their checks once
     rng = random.Random(5)
-    frames = list(_ack_frames())
-    for frame in _ack_frames():
+    frames = list(_acks())
+    for frame in _acks():
         frames += [frame[:cut] for cut in range(len(frame))]
         for _ in range(200):
             data = bytearray(frame)
@@ -291,5 +278,5 @@ def test_the_ack_reader_takes_only_what_read_ack_takes_with_the_same_fields():
             assert item == read_ack(frame, BUS), frame
         else:
             assert item == (frame, False)
-    assert taken >= len(_ack_frames()) and items[len(frames) - 1] == (frames[-1], False)
+    assert taken >= len(_acks()) and items[len(frames) - 1] == (frames[-1], False)
     assert items[-2:] == [(b"a", True), (b"b", False)]

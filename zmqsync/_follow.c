@@ -45,8 +45,21 @@ typedef int (*send_fn)(void *, const void *, size_t, int);
 typedef int (*errno_fn)(void);
 typedef int (*msg_more_fn)(const zmq_msg *);
 
+/* the libzmq functions used here, from the library pyzmq loaded */
+typedef struct {
+    msg_init_fn msg_init;
+    msg_recv_fn msg_recv;
+    msg_data_fn msg_data;
+    msg_size_fn msg_size;
+    msg_close_fn msg_close;
+    msg_more_fn msg_more;
+    send_fn send;
+    errno_fn errno_;
+} Zmq;
+
 #define ZMQ_DONTWAIT 1
-#define FIRST_SLOT_WORD 8
+#define FIRST_SLOT_WORD 8 /* the header's layout: zmqsync/_buffers/header.py */
+#define MAX_SLOTS ((4096 / 8 - FIRST_SLOT_WORD) / 2)
 #define PIECES 5 /* a RECEIVE: head, seq, piece, version, piece, slot, piece, changed, tail */
 #define ACK_MAX 1024
 
@@ -433,14 +446,7 @@ static PyTypeObject GateType = {
 
 typedef struct {
     PyObject_HEAD
-    /* libzmq */
-    msg_init_fn msg_init;
-    msg_recv_fn msg_recv;
-    msg_data_fn msg_data;
-    msg_size_fn msg_size;
-    msg_close_fn msg_close;
-    send_fn send;
-    errno_fn zmq_errno;
+    Zmq zmq;
     void *events_sock, *acks_sock;
     PyObject *sockets; /* the pyzmq sockets, kept open while this uses them */
     /* the frames */
@@ -450,7 +456,7 @@ typedef struct {
     const volatile uint64_t *words; /* the segment's header; mapped while `holders` live */
     int64_t slots;
     /* the state this updates, all owned by Python objects */
-    PyObject *switch_; /* `_Switch`: .model, .holders (list per slot), .at, .active */
+    PyObject *switch_; /* `_apply.Switch`: .model, .holders (list per slot), .at, .active */
     PyObject *holders;
     PyObject *swap;    /* torch's storage pointer swap */
     PyObject *owner;   /* a weak reference to the Subscriber */
@@ -462,14 +468,15 @@ typedef struct {
     PyObject *error;   /* error(errno) -> the exception to raise */
 } Follower;
 
-static PyObject *s_at, *s_active, *s_version, *s_held, *s_applied, *s_native, *s_last_seq,
+static PyObject *s_model, *s_at, *s_active, *s_version, *s_held, *s_applied, *s_native, *s_last_seq,
     *s_last_heard, *s_awaited, *s_acquire, *s_release;
 
 static int intern_names(void)
 {
 #define NAME(var, text) if (!(var = PyUnicode_InternFromString(text))) return 0;
-    NAME(s_at, "at") NAME(s_active, "active") NAME(s_version, "_version")
-    NAME(s_held, "_held") NAME(s_applied, "applied") NAME(s_native, "native") NAME(s_last_seq, "last_seq")
+    NAME(s_model, "model") NAME(s_at, "at") NAME(s_active, "active") NAME(s_version, "_version")
+    NAME(s_held, "_held") NAME(s_applied, "applied") NAME(s_native, "native")
+    NAME(s_last_seq, "last_seq")
     NAME(s_last_heard, "last_heard") NAME(s_awaited, "awaited") NAME(s_acquire, "acquire")
     NAME(s_release, "release")
 #undef NAME
@@ -483,6 +490,35 @@ static void *symbol(void *lib, const char *name)
         PyErr_Format(PyExc_ImportError, "libzmq has no %s", name);
     }
     return found;
+}
+
+/* libzmq's functions from the library at `path`, which pyzmq has loaded (dlopen takes a
+ * reference; pyzmq holds the library for the process's life anyway) */
+static int load_zmq(const char *path, Zmq *out)
+{
+    void *lib = dlopen(path, RTLD_NOW | RTLD_NOLOAD);
+    if (lib == NULL) {
+        PyErr_Format(PyExc_ImportError, "libzmq is not loaded from %s", path);
+        return 0;
+    }
+    return (out->msg_init = (msg_init_fn)symbol(lib, "zmq_msg_init"))
+        && (out->msg_recv = (msg_recv_fn)symbol(lib, "zmq_msg_recv"))
+        && (out->msg_data = (msg_data_fn)symbol(lib, "zmq_msg_data"))
+        && (out->msg_size = (msg_size_fn)symbol(lib, "zmq_msg_size"))
+        && (out->msg_close = (msg_close_fn)symbol(lib, "zmq_msg_close"))
+        && (out->msg_more = (msg_more_fn)symbol(lib, "zmq_msg_more"))
+        && (out->send = (send_fn)symbol(lib, "zmq_send"))
+        && (out->errno_ = (errno_fn)symbol(lib, "zmq_errno"));
+}
+
+/* raise what `error(err)` returns: the exception pyzmq would raise */
+static void raise_zmq(PyObject *error, int err)
+{
+    PyObject *exc = PyObject_CallFunction(error, "i", err);
+    if (exc != NULL) {
+        PyErr_SetObject((PyObject *)Py_TYPE(exc), exc);
+        Py_DECREF(exc);
+    }
 }
 
 static void *socket_address(PyObject *sock)
@@ -526,27 +562,15 @@ static int follower_init(Follower *self, PyObject *args, PyObject *kwds)
         PyErr_SetString(PyExc_TypeError, "owner: a weak reference");
         return -1;
     }
-    if (slots < 1 || slots > 255) {
-        PyErr_SetString(PyExc_ValueError, "slots: 1 to 255");
+    if (slots < 1 || slots > MAX_SLOTS) { /* their seqlock words fit in the header page */
+        PyErr_Format(PyExc_ValueError, "slots: 1 to %d", MAX_SLOTS);
         return -1;
     }
     if (PyBytes_GET_SIZE(ack_head) + PyBytes_GET_SIZE(ack_tail) + 9 > ACK_MAX) {
         PyErr_SetString(PyExc_ValueError, "an ACK this long is not one");
         return -1;
     }
-    void *lib = dlopen(libzmq, RTLD_NOW | RTLD_NOLOAD);
-    if (lib == NULL) {
-        PyErr_Format(PyExc_ImportError, "libzmq is not loaded from %s", libzmq);
-        return -1;
-    }
-    /* dlopen took a reference: pyzmq holds the library for the process's life anyway */
-    if (!(self->msg_init = (msg_init_fn)symbol(lib, "zmq_msg_init"))
-        || !(self->msg_recv = (msg_recv_fn)symbol(lib, "zmq_msg_recv"))
-        || !(self->msg_data = (msg_data_fn)symbol(lib, "zmq_msg_data"))
-        || !(self->msg_size = (msg_size_fn)symbol(lib, "zmq_msg_size"))
-        || !(self->msg_close = (msg_close_fn)symbol(lib, "zmq_msg_close"))
-        || !(self->send = (send_fn)symbol(lib, "zmq_send"))
-        || !(self->zmq_errno = (errno_fn)symbol(lib, "zmq_errno"))) {
+    if (!load_zmq(libzmq, &self->zmq)) {
         return -1;
     }
     if (!(self->events_sock = socket_address(events)) || !(self->acks_sock = socket_address(acks))) {
@@ -695,7 +719,7 @@ static int point_at(Follower *self, int64_t slot)
     if (holder == Py_None) {
         return 0;
     }
-    PyObject *model = PyObject_GetAttrString(self->switch_, "model");
+    PyObject *model = PyObject_GetAttr(self->switch_, s_model);
     if (model == NULL) {
         return -1;
     }
@@ -773,7 +797,7 @@ static int send_ack(Follower *self, int64_t version)
     memcpy(frame, PyBytes_AS_STRING(self->ack_head), (size_t)head);
     Py_ssize_t n = head + pack_int(version, frame + head);
     memcpy(frame + n, PyBytes_AS_STRING(self->ack_tail), (size_t)tail);
-    return self->send(self->acks_sock, frame, (size_t)(n + tail), ZMQ_DONTWAIT) >= 0;
+    return self->zmq.send(self->acks_sock, frame, (size_t)(n + tail), ZMQ_DONTWAIT) >= 0;
 }
 
 PyDoc_STRVAR(next_doc,
@@ -805,7 +829,7 @@ static PyObject *follower_next(Follower *self, PyObject *const *args, Py_ssize_t
     int acking = 0; /* the version applied last still needs its ACK and the gate opened */
     for (;;) {
         int rc = 0, err = 0, acked = 1;
-        self->msg_init(&msg);
+        self->zmq.msg_init(&msg);
         Py_BEGIN_ALLOW_THREADS
         /* ACK and open the gate without the GIL: a thread the gate wakes takes it at
          * once, instead of waking again when this thread lets it go */
@@ -816,19 +840,19 @@ static PyObject *follower_next(Follower *self, PyObject *const *args, Py_ssize_t
             }
         }
         if (acked) {
-            rc = self->msg_recv(&msg, self->events_sock, 0);
+            rc = self->zmq.msg_recv(&msg, self->events_sock, 0);
             if (rc < 0) {
-                err = self->zmq_errno();
+                err = self->zmq.errno_();
             }
         }
         Py_END_ALLOW_THREADS
         acking = 0;
         if (!acked) {
-            self->msg_close(&msg);
+            self->zmq.msg_close(&msg);
             return Py_BuildValue("(L)", (long long)version);
         }
         if (rc < 0) {
-            self->msg_close(&msg);
+            self->zmq.msg_close(&msg);
             if (err == EAGAIN) {
                 Py_RETURN_NONE;
             }
@@ -838,15 +862,11 @@ static PyObject *follower_next(Follower *self, PyObject *const *args, Py_ssize_t
                 }
                 continue;
             }
-            PyObject *exc = PyObject_CallFunction(self->error, "i", err);
-            if (exc != NULL) {
-                PyErr_SetObject((PyObject *)Py_TYPE(exc), exc);
-                Py_DECREF(exc);
-            }
+            raise_zmq(self->error, err);
             return NULL;
         }
-        const unsigned char *data = self->msg_data(&msg);
-        size_t size = self->msg_size(&msg);
+        const unsigned char *data = self->zmq.msg_data(&msg);
+        size_t size = self->zmq.msg_size(&msg);
         int64_t f[3];
         uint64_t counter = 0;
         int fast = match(&self->pattern, data, size, f) && f[0] == last_seq + 1
@@ -862,10 +882,10 @@ static PyObject *follower_next(Follower *self, PyObject *const *args, Py_ssize_t
         if (switched <= 0) {
             PyObject *out = switched < 0
                 ? NULL : PyBytes_FromStringAndSize((const char *)data, (Py_ssize_t)size);
-            self->msg_close(&msg);
+            self->zmq.msg_close(&msg);
             return out;
         }
-        self->msg_close(&msg);
+        self->zmq.msg_close(&msg);
         double now = monotonic();
         PyObject *owner = PyWeakref_GetObject(self->owner);
         if (owner == NULL) {
@@ -935,13 +955,7 @@ static PyTypeObject FollowerType = {
  * frame comes back as (bytes, more) for the Python way. */
 typedef struct {
     PyObject_HEAD
-    msg_init_fn msg_init;
-    msg_recv_fn msg_recv;
-    msg_data_fn msg_data;
-    msg_size_fn msg_size;
-    msg_close_fn msg_close;
-    msg_more_fn msg_more;
-    errno_fn zmq_errno;
+    Zmq zmq;
     void *sock;
     PyObject *socket;   /* the pyzmq socket, kept open while this uses it */
     PyObject *pieces;   /* head, after worker_id, after session, tail */
@@ -949,16 +963,6 @@ typedef struct {
     PyObject *ids, *sessions; /* the strings that passed the protocol's checks */
     PyObject *error;
 } AckReader;
-
-static int load_libzmq(const char *path, void **lib)
-{
-    *lib = dlopen(path, RTLD_NOW | RTLD_NOLOAD);
-    if (*lib == NULL) {
-        PyErr_Format(PyExc_ImportError, "libzmq is not loaded from %s", path);
-        return 0;
-    }
-    return 1;
-}
 
 static int reader_init(AckReader *self, PyObject *args, PyObject *kwds)
 {
@@ -986,16 +990,7 @@ static int reader_init(AckReader *self, PyObject *args, PyObject *kwds)
             return -1;
         }
     }
-    void *lib;
-    if (!load_libzmq(libzmq, &lib)
-        || !(self->msg_init = (msg_init_fn)symbol(lib, "zmq_msg_init"))
-        || !(self->msg_recv = (msg_recv_fn)symbol(lib, "zmq_msg_recv"))
-        || !(self->msg_data = (msg_data_fn)symbol(lib, "zmq_msg_data"))
-        || !(self->msg_size = (msg_size_fn)symbol(lib, "zmq_msg_size"))
-        || !(self->msg_close = (msg_close_fn)symbol(lib, "zmq_msg_close"))
-        || !(self->msg_more = (msg_more_fn)symbol(lib, "zmq_msg_more"))
-        || !(self->zmq_errno = (errno_fn)symbol(lib, "zmq_errno"))
-        || !(self->sock = socket_address(sock))) {
+    if (!load_zmq(libzmq, &self->zmq) || !(self->sock = socket_address(sock))) {
         return -1;
     }
     self->lo = lo;
@@ -1092,37 +1087,33 @@ static PyObject *reader_read(AckReader *self, PyObject *arg)
     for (Py_ssize_t got = 0; got < most; got++) {
         int rc, err = 0;
         int flags = got ? ZMQ_DONTWAIT : 0;
-        self->msg_init(&msg);
+        self->zmq.msg_init(&msg);
         if (got) {
-            rc = self->msg_recv(&msg, self->sock, flags); /* queued: no wait */
+            rc = self->zmq.msg_recv(&msg, self->sock, flags); /* queued: no wait */
         } else {
             Py_BEGIN_ALLOW_THREADS
-            rc = self->msg_recv(&msg, self->sock, flags);
+            rc = self->zmq.msg_recv(&msg, self->sock, flags);
             Py_END_ALLOW_THREADS
         }
         if (rc < 0) {
-            err = self->zmq_errno();
-            self->msg_close(&msg);
+            err = self->zmq.errno_();
+            self->zmq.msg_close(&msg);
             if (err == EAGAIN || err == EINTR) {
                 break;
             }
-            PyObject *exc = PyObject_CallFunction(self->error, "i", err);
-            if (exc != NULL) {
-                PyErr_SetObject((PyObject *)Py_TYPE(exc), exc);
-                Py_DECREF(exc);
-            }
+            raise_zmq(self->error, err);
             Py_DECREF(out);
             return NULL;
         }
-        const unsigned char *data = self->msg_data(&msg);
-        size_t size = self->msg_size(&msg);
-        int more = self->msg_more(&msg);
+        const unsigned char *data = self->zmq.msg_data(&msg);
+        size_t size = self->zmq.msg_size(&msg);
+        int more = self->zmq.msg_more(&msg);
         PyObject *item = more ? NULL : match_ack(self, data, size);
         if (item == NULL && !PyErr_Occurred()) {
             item = Py_BuildValue("(y#O)", (const char *)data, (Py_ssize_t)size,
                                  more ? Py_True : Py_False);
         }
-        self->msg_close(&msg);
+        self->zmq.msg_close(&msg);
         if (item == NULL || PyList_Append(out, item) < 0) {
             Py_XDECREF(item);
             Py_DECREF(out);
