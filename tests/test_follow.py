@@ -6,7 +6,7 @@ The Follower must take only RECEIVEs that `read_receive` takes, with the same fi
 frames), write ACKs byte for byte as the template does, and leave every worker's view
 unchanged: a plain worker process that follows a publisher with it sees every version
 whole, as one started with ZMQSYNC_NATIVE=0 (the Python way) does. The alias-mode tests
-of test_fixed_cost run both ways in one process too.
+of test_fixed_cost run every way in one process too.
 """
 
 from __future__ import annotations

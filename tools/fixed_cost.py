@@ -233,9 +233,10 @@ def plain_worker(name: str, mode: str, idle: str) -> int:
             period = float(idle.partition(":")[2] or 1.0)
             while not sub.stopped and os.getppid() != 1:
                 time.sleep(period)
-        elif idle == "next":
-            while not sub.stopped and os.getppid() != 1:
-                sub.wait_for_version(sub.version + 1, timeout=1.0)
+        elif idle == "next":  # the parent is looked at on a timeout, as a raw worker does
+            while not sub.stopped:
+                if not sub.wait_for_version(sub.version + 1, timeout=1.0) and os.getppid() == 1:
+                    break
         elif idle == "far":
             while not sub.stopped and os.getppid() != 1:
                 sub.wait_for_version(2**62, timeout=1.0)
