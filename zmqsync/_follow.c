@@ -458,18 +458,17 @@ typedef struct {
     /* the state this updates, all owned by Python objects */
     PyObject *switch_; /* `_apply.Switch`: .model, .holders (list per slot), .at, .active */
     PyObject *holders;
-    PyObject *swap;    /* torch's storage pointer swap */
+    PyObject *swap;    /* torch's storage pointer swap (the switch's `swap`) */
     PyObject *owner;   /* a weak reference to the Subscriber */
     PyObject *lock;    /* its lock */
     PyObject *counters; /* its counters dict */
     PyObject *link;    /* its Link: .last_seq, .last_heard */
-    PyObject *waiters; /* .awaited */
-    Gate *gate;        /* opened once a version's ACK is out (NULL: none) */
+    Gate *gate;        /* the waiters': opened once a version's ACK is out */
     PyObject *error;   /* error(errno) -> the exception to raise */
 } Follower;
 
 static PyObject *s_model, *s_at, *s_active, *s_version, *s_held, *s_applied, *s_native, *s_last_seq,
-    *s_last_heard, *s_awaited, *s_acquire, *s_release;
+    *s_last_heard, *s_swap, *s_acquire, *s_release;
 
 static int intern_names(void)
 {
@@ -477,7 +476,7 @@ static int intern_names(void)
     NAME(s_model, "model") NAME(s_at, "at") NAME(s_active, "active") NAME(s_version, "_version")
     NAME(s_held, "_held") NAME(s_applied, "applied") NAME(s_native, "native")
     NAME(s_last_seq, "last_seq")
-    NAME(s_last_heard, "last_heard") NAME(s_awaited, "awaited") NAME(s_acquire, "acquire")
+    NAME(s_last_heard, "last_heard") NAME(s_swap, "swap") NAME(s_acquire, "acquire")
     NAME(s_release, "release")
 #undef NAME
     return 1;
@@ -538,24 +537,20 @@ static void *socket_address(PyObject *sock)
 static int follower_init(Follower *self, PyObject *args, PyObject *kwds)
 {
     static char *kw[] = {"libzmq", "events", "acks", "pieces", "ranges", "ack_head",
-                         "ack_tail", "header", "slots", "switch", "swap", "owner", "lock",
-                         "counters", "link", "waiters", "gate", "error", NULL};
+                         "ack_tail", "header", "slots", "switch", "owner", "lock",
+                         "counters", "link", "gate", "error", NULL};
     const char *libzmq;
     PyObject *events, *acks, *pieces, *ranges, *ack_head, *ack_tail, *header;
     long long slots;
-    PyObject *switch_, *swap, *owner, *lock, *counters, *link, *waiters, *gate, *error;
+    PyObject *switch_, *owner, *lock, *counters, *link, *gate, *error;
     if (self->sockets != NULL) {
         PyErr_SetString(PyExc_RuntimeError, "Follower is set up once");
         return -1;
     }
     if (!PyArg_ParseTupleAndKeywords(
-            args, kwds, "sOOOOSSOLOOOOO!OOOO:Follower", kw, &libzmq, &events, &acks,
-            &pieces, &ranges, &ack_head, &ack_tail, &header, &slots, &switch_, &swap, &owner,
-            &lock, &PyDict_Type, &counters, &link, &waiters, &gate, &error)) {
-        return -1;
-    }
-    if (gate != Py_None && !PyObject_TypeCheck(gate, &GateType)) {
-        PyErr_SetString(PyExc_TypeError, "gate: a Gate or None");
+            args, kwds, "sOOOOSSOLOOOO!OO!O:Follower", kw, &libzmq, &events, &acks,
+            &pieces, &ranges, &ack_head, &ack_tail, &header, &slots, &switch_, &owner, &lock,
+            &PyDict_Type, &counters, &link, &GateType, &gate, &error)) {
         return -1;
     }
     if (!PyWeakref_CheckRef(owner)) {
@@ -587,13 +582,24 @@ static int follower_init(Follower *self, PyObject *args, PyObject *kwds)
     if (holders == NULL) {
         return -1;
     }
+    PyObject *swap = PyObject_GetAttr(switch_, s_swap);
+    if (swap == NULL || !PyCallable_Check(swap)) {
+        Py_DECREF(holders);
+        Py_XDECREF(swap);
+        if (!PyErr_Occurred()) {
+            PyErr_SetString(PyExc_TypeError, "switch.swap: torch's storage pointer swap");
+        }
+        return -1;
+    }
     if (!PyList_CheckExact(holders) || PyList_GET_SIZE(holders) != slots) {
         Py_DECREF(holders);
+        Py_DECREF(swap);
         PyErr_SetString(PyExc_ValueError, "switch.holders: a list with one entry per slot");
         return -1;
     }
     if (!pattern_from(pieces, ranges, &self->pattern)) {
         Py_DECREF(holders);
+        Py_DECREF(swap);
         return -1;
     }
     self->words = (const volatile uint64_t *)words;
@@ -603,13 +609,12 @@ static int follower_init(Follower *self, PyObject *args, PyObject *kwds)
     self->ack_head = Py_NewRef(ack_head);
     self->ack_tail = Py_NewRef(ack_tail);
     self->switch_ = Py_NewRef(switch_);
-    self->swap = Py_NewRef(swap);
+    self->swap = swap;
     self->owner = Py_NewRef(owner);
     self->lock = Py_NewRef(lock);
     self->counters = Py_NewRef(counters);
     self->link = Py_NewRef(link);
-    self->waiters = Py_NewRef(waiters);
-    self->gate = gate == Py_None ? NULL : (Gate *)Py_NewRef(gate);
+    self->gate = (Gate *)Py_NewRef(gate);
     self->error = Py_NewRef(error);
     return self->sockets == NULL ? -1 : 0;
 }
@@ -625,7 +630,6 @@ static int follower_traverse(Follower *self, visitproc visit, void *arg)
     Py_VISIT(self->lock);
     Py_VISIT(self->counters);
     Py_VISIT(self->link);
-    Py_VISIT(self->waiters);
     Py_VISIT(self->gate);
     Py_VISIT(self->error);
     return 0;
@@ -644,7 +648,6 @@ static int follower_clear(Follower *self)
     Py_CLEAR(self->lock);
     Py_CLEAR(self->counters);
     Py_CLEAR(self->link);
-    Py_CLEAR(self->waiters);
     Py_CLEAR(self->gate);
     Py_CLEAR(self->error);
     return 0;
@@ -804,10 +807,10 @@ PyDoc_STRVAR(next_doc,
 "next(last_seq, version, next_tick, /)\n--\n\n"
 "Receive on the events socket until there is something for Python; say what.\n\n"
 "Versions that follow `last_seq` and `version` and need nothing but a switch are\n"
-"applied, recorded and acked here, then the gate is opened. Returns None when the socket's receive timed out,\n"
-"the version last applied here when it is one a thread waits for or the clock\n"
-"reached `next_tick`, a tuple (version,) when its ACK could not be queued (Python\n"
-"sends it again), or a frame's bytes for Python to handle.");
+"applied, recorded and acked here, then the gate is opened. Returns None when the\n"
+"socket's receive timed out, the version last applied here when the clock reached\n"
+"`next_tick`, a tuple (version,) when its ACK could not be queued (Python sends it\n"
+"again), or a frame's bytes for Python to handle.");
 
 static PyObject *follower_next(Follower *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -835,7 +838,7 @@ static PyObject *follower_next(Follower *self, PyObject *const *args, Py_ssize_t
          * once, instead of waking again when this thread lets it go */
         if (acking) {
             acked = send_ack(self, version);
-            if (acked && self->gate != NULL) {
+            if (acked) {
                 gate_open(self->gate, version);
             }
         }
@@ -903,19 +906,15 @@ static PyObject *follower_next(Follower *self, PyObject *const *args, Py_ssize_t
         }
         last_seq = f[0];
         version = f[1];
-        int ok = 1;
-        int64_t awaited = int_attr(self->waiters, s_awaited, &ok);
-        if (ok && version < awaited && now < next_tick) {
+        if (now < next_tick) {
             acking = 1; /* on the way back into the receive */
             continue;
         }
         if (!send_ack(self, version)) {
-            return ok ? Py_BuildValue("(L)", (long long)version) : NULL;
+            return Py_BuildValue("(L)", (long long)version);
         }
-        if (self->gate != NULL) {
-            gate_open(self->gate, version);
-        }
-        return ok ? PyLong_FromLongLong(version) : NULL;
+        gate_open(self->gate, version);
+        return PyLong_FromLongLong(version);
     }
 }
 
@@ -926,7 +925,7 @@ static PyMethodDef follower_methods[] = {
 
 PyDoc_STRVAR(follower_doc,
 "Follower(*, libzmq, events, acks, pieces, ranges, ack_head, ack_tail, header, slots,\n"
-"         switch, swap, owner, lock, counters, link, waiters, gate, error)\n--\n\n"
+"         switch, owner, lock, counters, link, gate, error)\n--\n\n"
 "A worker's per-version path in C (see `Follower.next`). Built by the Subscriber for\n"
 "one mapping, one pair of sockets and one session; dropped with any of them.");
 

@@ -459,8 +459,7 @@ class Agent:
             return None
         if more:
             self._in_multipart = True
-            self._count("rejected")
-            log.debug("dropped message on acks: expected one frame, got several")
+            self._dropped_multipart(frame)
             return None
         return self._message(frame)
 
@@ -638,11 +637,15 @@ class Agent:
                 except zmq.Again:
                     break
                 tail = rest.more and budget.spend(len(rest))
-            self._count("rejected")
-            log.debug("dropped message on acks: expected one frame, got several")
-            self._mirror("in", "", frame[:4096])
+            self._dropped_multipart(frame)
             return None
         return self._message(frame)
+
+    def _dropped_multipart(self, frame: bytes) -> None:
+        """A multipart message on the acks socket (never ours): counted, dropped."""
+        self._count("rejected")
+        log.debug("dropped message on acks: expected one frame, got several")
+        self._mirror("in", "", frame[:4096])
 
     def _message(self, frame: bytes) -> Message | None:
         """One whole frame from the acks socket as a message; None (counted) if it is not."""

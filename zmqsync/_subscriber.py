@@ -587,6 +587,7 @@ class Subscriber:
             switch = target.switch if target is not None else None
             if (
                 FOLLOWER is None
+                or self._waiters.gate is None
                 or switch is None
                 or not switch.active
                 or switch.swap is None
@@ -613,12 +614,10 @@ class Subscriber:
                 header=attachment.header_address(),
                 slots=len(self._views),
                 switch=switch,
-                swap=switch.swap,
                 owner=weakref.ref(self),
                 lock=self._lock,
                 counters=self.counters,
                 link=link,
-                waiters=self._waiters,
                 gate=self._waiters.gate,
                 error=zmq_error,
             )
@@ -1032,14 +1031,13 @@ class _Agent:
         # `_follow`), it blocks in the receive instead and takes those versions itself;
         # what it leaves comes here as a frame, as from recv().
         link, port = self.link, self.port
-        waiters = port.waiters
         while not self._terminating:
             events = self.events
             if events is None:  # not subscribed (between handshake attempts)
                 time.sleep(min(link.heartbeat, _WAIT_CAP_S))
                 frame = None
             elif self._follower is not None:  # the native path: it hands us what it left
-                frame = self._follow(self._follower, port, waiters)
+                frame = self._follow(self._follower, port)
             else:
                 try:
                     frame = events.recv()
@@ -1063,13 +1061,11 @@ class _Agent:
                 for due in link.tick(now, port.version()):
                     self._do(due)
 
-    def _follow(self, follower: Any, port: _Port, waiters: _Waiters) -> bytes | None:
+    def _follow(self, follower: Any, port: _Port) -> bytes | None:
         """Let the Follower take the versions it can; the frame it left for us, if any."""
         link = self.link
         got = follower.next(link.last_seq, port.version(), link.next_tick)
-        if type(got) is int:  # applied and acked there
-            if got >= waiters.awaited:
-                waiters.wake(got)
+        if type(got) is int:  # applied and acked there, the gate opened: a beat is due
             return None
         if type(got) is tuple:  # applied there; its ACK did not fit in the queue
             self._applied(got[0])
