@@ -184,12 +184,26 @@ class _Allowlist:
 
 
 class Authenticator:
-    """pyzmq's ZAP thread, answering with the publisher's allowlist."""
+    """pyzmq's ZAP thread, answering with the publisher's allowlist and no User-Id.
+
+    The User-Id is left empty because libzmq mishandles it. Given one, libzmq queues a
+    credential message at the head of each new connection's receive pipe. The writer
+    counts it against the socket's RCVHWM, but the reader skips it without counting
+    (libzmq 4.3.5, ``pipe_t::read``). So one place of every CURVE connection's queue
+    is lost for good. The events socket queues one subscription per connection
+    (SUBSCRIPTION_RCVHWM = 1): no subscription ever got through, and no event reached
+    a CURVE subscriber. zmqsync never reads the User-Id; its allowlist is the ZAP
+    handler itself.
+    """
 
     def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], curve: CurveServer) -> None:
         from zmq.auth.thread import ThreadAuthenticator
 
-        self._auth = ThreadAuthenticator(ctx)
+        class _Anonymous(ThreadAuthenticator):
+            def curve_user_id(self, client_public_key: bytes) -> str:
+                return ""  # no credential message on the connection's pipe (see above)
+
+        self._auth = _Anonymous(ctx)
         self._auth.start()
         self._auth.configure_curve_callback(
             ZAP_DOMAIN, credentials_provider=_Allowlist(curve.allowed_clients)
