@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -20,7 +21,10 @@ import torch
 import zmq
 
 import zmqsync
+from tests.conftest import Proc, deadline_listdir
+from zmqsync._buffers import collect_garbage
 from zmqsync._config import LOST_AFTER_BEATS
+from zmqsync.cli import main
 
 HEARTBEAT_S = 0.5
 PUBLISH_TIMEOUT_S = 1.0  # a third of the liveness window below
@@ -109,17 +113,14 @@ def _worker(spawn, address, name, wid):
     return spawn("worker", address, "--name", name, "--json", "--worker-id", wid, "--forever")
 
 
-def _publish_all(pub, n: int = PUBLISHES) -> list[float]:
-    """Publish `n` versions; each must be acked within PUBLISH_TIMEOUT_S. The seconds each took."""
-    took = []
+def _publish_all(pub, n: int = PUBLISHES) -> None:
+    """Publish `n` versions; each must be acked within PUBLISH_TIMEOUT_S."""
     for _ in range(n):
-        start = time.perf_counter()
-        pub.publish(timeout=PUBLISH_TIMEOUT_S)
-        took.append(time.perf_counter() - start)
-    return took
+        p = pub.publish(timeout=PUBLISH_TIMEOUT_S)
+        assert not p.missing
 
 
-def _joined_once(worker, wid: str, version: int) -> None:
+def _joined_once(worker, version: int) -> None:
     """The worker applied `version` and never lost the bus nor joined it twice."""
     worker.wait_for(lambda r: r.get("event") == "applied" and r["version"] == version, timeout=10)
     events = [r["event"] for r in worker.records]
@@ -155,7 +156,7 @@ def test_curve_worker_acks_every_publish_before_the_liveness_window(
         worker = _worker(spawn, address, name, "cw")
         assert pub.wait_for_workers(1, timeout=60)
         _publish_all(pub)
-        _joined_once(worker, "cw", PUBLISHES)
+        _joined_once(worker, PUBLISHES)
 
 
 @pytest.mark.timeout(120)
@@ -182,7 +183,7 @@ def test_curve_bus_serves_sniff_and_inspect(spawn, name):
             sniffer.wait_for(
                 lambda r, v=version: r.get("type") == "ack" and r.get("version") == v, timeout=10
             )
-        _joined_once(worker, "cw", 3)
+        _joined_once(worker, 3)
         done = subprocess.run(
             [sys.executable, "-m", "zmqsync", "inspect", address, "--name", name, "--json"],
             capture_output=True,
@@ -194,3 +195,91 @@ def test_curve_bus_serves_sniff_and_inspect(spawn, name):
         state = json.loads(done.stdout)
         assert state["access"]["curve"] is True
         assert [w["worker_id"] for w in state["workers"]] == ["cw"]
+
+
+RELAY_PUBLISH_TIMEOUT_S = 2.0  # a trip through the tree, still inside the 3 s window
+
+
+@pytest.mark.timeout(240)
+def test_relay_root_reads_a_curve_bus_and_a_relay_serves_one(name, bus_dirs):
+    """A ``curve=True`` trainer; the root finds its keys by name, as a worker does; a
+    relay on another (simulated) host runs its own bus with ``--curve``, and its worker
+    finds that bus's keys in its host's runtime dir."""
+    runtime, shm = bus_dirs
+    host_runtime, host_shm = runtime / "hostB", shm / "hostB"
+    host_runtime.mkdir(mode=0o700)
+    host_shm.mkdir(mode=0o700)
+    trainer_address, local_address = _loopback(), _loopback()
+    procs: list[Proc] = []
+    try:
+        with (
+            zmqsync.Publisher(
+                {"w": torch.zeros(4096)},
+                trainer_address,
+                name=name,
+                curve=True,
+                heartbeat=HEARTBEAT_S,
+                on_timeout="raise",
+            ) as pub,
+            zmqsync.RelayRoot(
+                trainer_address,
+                name=name,
+                init_method="tcp://127.0.0.1:0",
+                ack="tree",
+                timeout=8,
+                heartbeat=HEARTBEAT_S,
+            ) as root,
+        ):
+            env = dict(
+                os.environ,
+                ZMQSYNC_RUNTIME_DIR=str(host_runtime),
+                ZMQSYNC_SHM_DIR=str(host_shm),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=root.init_method_url.rsplit(":", 1)[1],
+            )
+            zmq_cli = [sys.executable, "-m", "zmqsync"]
+            relay = Proc(
+                [*zmq_cli, "relay", local_address, "--name", name, "--relay-id", "hostB",
+                 "--heartbeat", str(HEARTBEAT_S), "--timeout", "3", "--curve", "--json"],
+                env,
+            )  # fmt: skip
+            procs.append(relay)
+            assert root.wait_for_relays(1, timeout=90), root.relays
+            assert (host_runtime / f"{name}.curve").exists()
+            worker = Proc(
+                [*zmq_cli, "worker", local_address, "--name", name, "--json", "--forever",
+                 "--worker-id", "hostB-w", "--timeout", "60"],
+                env,
+            )  # fmt: skip
+            procs.append(worker)
+            worker.wait_for(lambda r: r.get("event") == "applied", timeout=90)
+            end = time.monotonic() + 30
+            while not all(len(r.workers) == 1 for r in root.relays.values()):
+                assert time.monotonic() < end, root.relays
+                time.sleep(0.05)
+            for version in range(1, 4):
+                p = pub.publish(weights={"w": torch.full((4096,), float(version))},
+                                timeout=RELAY_PUBLISH_TIMEOUT_S)  # fmt: skip
+                assert p.acked == ("relay-root",) and not p.missing
+                # tree mode: the root acked once the relay's worker acked
+                worker.wait_for(
+                    lambda r, v=version: r.get("event") == "applied" and r["version"] == v,
+                    timeout=10,
+                )
+            events = [r["event"] for r in worker.records]
+            assert events.count("joined") == 1 and "rejoined" not in events, events
+    finally:
+        for proc in procs:
+            proc.kill()
+        collect_garbage(str(host_shm))  # segments of the SIGKILLed relay, now unlocked
+        leaked = deadline_listdir(str(host_shm))
+        shutil.rmtree(host_shm, ignore_errors=True)
+        shutil.rmtree(host_runtime, ignore_errors=True)
+    assert not leaked, f"segments left on the relay's host: {leaked}"
+
+
+def test_cli_root_takes_no_curve_flag(name, capsys):
+    """A root is a client of the trainer's bus: it has keys to find, none to make."""
+    assert main(["relay", "--root", "--curve", "--name", name]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("zmqsync relay: ValueError: --curve makes keys for a relay's own bus")
