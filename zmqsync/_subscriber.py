@@ -73,6 +73,7 @@ from ._follow import FOLLOWER, GATE, libzmq_path, zmq_error
 from ._layout import Key, Layout, flatten
 from ._link import Action, Handshake, Link, LinkState, Lost, Offer, Rejected, Repair, Stopped
 from ._protocol import (
+    MAX_EVENT,
     Ack,
     Bye,
     Error,
@@ -1001,9 +1002,8 @@ class _Agent:
         """Connect SUB and wait until the publisher confirms the subscription is live."""
         if self.events is not None:
             self.events.close()
-        self.events = connect(
-            self.ctx, zmq.SUB, endpoint, self.port.secure, max_bytes=_config.EVENT_MAX_BYTES
-        )
+        # The largest legal event: a RECEIVE of the largest bus, with its `changed` bitmap
+        self.events = connect(self.ctx, zmq.SUB, endpoint, self.port.secure, max_bytes=MAX_EVENT)
         self.events.setsockopt(zmq.SUBSCRIBE, b"")
         self.events.setsockopt(zmq.RCVHWM, 100_000)
         self.events.connect(self._wake_addr)
