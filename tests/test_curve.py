@@ -283,3 +283,25 @@ def test_cli_root_takes_no_curve_flag(name, capsys):
     assert main(["relay", "--root", "--curve", "--name", name]) == 1
     err = capsys.readouterr().err.strip()
     assert err.startswith("zmqsync relay: ValueError: --curve makes keys for a relay's own bus")
+
+
+@pytest.mark.timeout(180)
+def test_a_worker_started_first_finds_the_keys_and_keeps_up_with_new_ones(spawn, name):
+    """A ``curve=True`` publisher writes its keys as it starts, new ones at each start:
+    a worker that waits for it gets in, and gets in again after a restart."""
+    address = _loopback()
+    weights = {"w": torch.zeros(1024)}
+    worker = spawn(
+        "worker", address, "--name", name, "--json", "--worker-id", "early", "--forever",
+        "--timeout", "60",
+    )  # fmt: skip
+    buses = []
+    for generation in range(2):
+        with zmqsync.Publisher(
+            weights, address, name=name, curve=True, heartbeat=HEARTBEAT_S, on_timeout="raise"
+        ) as pub:
+            assert pub.wait_for_workers(1, timeout=60), generation
+            _publish_all(pub, 2)
+            buses.append(pub.bus_id)
+    applied = {(r["bus"], r["version"]) for r in worker.records if r["event"] == "applied"}
+    assert {(bus, 2) for bus in buses} <= applied, applied

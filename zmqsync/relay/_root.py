@@ -36,7 +36,7 @@ from .. import _config, _lifecycle
 from .._deadline import Deadline
 from .._errors import ClosedError, ProtocolError, ZmqSyncError
 from .._protocol import Inspect, State, TensorSpec
-from .._security import CurveClient, client_from_env
+from .._security import CurveClient, found_keys
 from .._sockets import request
 from .._subscriber import Subscriber
 from ._carrier import Carrier, Relayed, Settings
@@ -91,9 +91,9 @@ class RelayRoot:
             authentication; say that the network is trusted).
         on_relayed: callable(Relayed) run after each version (on the relay thread).
         curve: the CURVE keys for a trainer's bus that has them, used both to inspect
-            the bus and to subscribe to it; None: found at start() as a `Subscriber`
-            finds them ($ZMQSYNC_CURVE_CLIENT, else the keys a ``curve=True`` trainer
-            of `name` left in the runtime dir).
+            the bus and to subscribe to it; None: found as a `Subscriber` finds them
+            ($ZMQSYNC_CURVE_CLIENT, else the keys a ``curve=True`` trainer of `name`
+            left in the runtime dir), at each handshake.
     """
 
     def __init__(
@@ -131,8 +131,7 @@ class RelayRoot:
         self._device = check_backend(backend, device)
         self._address_arg = address
         self.address = ""
-        self._curve_arg = curve
-        self._curve: CurveClient | None = None  # resolved by start(): the trainer's keys
+        self._curve = curve
         self._backend, self._ack, self._on_timeout = backend, ack, on_timeout
         self._timeout, self._heartbeat = float(timeout), float(heartbeat)
         lost_after = self._heartbeat * _config.LOST_AFTER_BEATS
@@ -211,8 +210,6 @@ class RelayRoot:
             return self
         with contextlib.ExitStack() as stack:
             self.address = self._address_arg or _config.default_address(self.name)
-            # read now, not at construction: a curve=True trainer writes them as it starts
-            self._curve = self._curve_arg or client_from_env(self.name)
             self._adopt_bus(self._inspect_bus(refuse_duplicate=True))
             try:
                 self._store = dist.TCPStore(  # type: ignore[attr-defined]
@@ -387,7 +384,7 @@ class RelayRoot:
     def _inspect_bus(self, refuse_duplicate: bool = False) -> State:
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         try:
-            secure = self._curve.apply if self._curve is not None else None
+            secure = self._curve.apply if self._curve is not None else found_keys(self.name)
             reply = request(
                 ctx, self.address, Inspect(""), deadline=Deadline(self._timeout), secure=secure
             )
