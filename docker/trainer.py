@@ -113,6 +113,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--linger", type=float, default=1.0, help="pause before close (s)")
     p.add_argument("--hidden", type=int, default=256, help="policy width")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--curve",
+        action="store_true",
+        help="CURVE on the bus: the workers' keys go to the runtime dir "
+        "($ZMQSYNC_RUNTIME_DIR/NAME.curve)",
+    )
     args = p.parse_args(argv)
 
     def on_signal(signum: int, frame: object) -> None:
@@ -133,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         heartbeat=0.5,  # a silent worker is dropped after about 3 s
         shm_dir=shm_dir,
         tap=True,  # for `zmqsync sniff`
+        curve=True if args.curve else None,
     )
     rc = 0
     try:
@@ -144,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
                 shm_dir=shm_dir,
                 segments=segments(shm_dir, args.name),
                 pid=os.getpid(),
+                curve=args.curve,
             )
             if pub.wait_for_workers(args.workers, timeout=args.join_timeout):
                 emit("joined", workers=sorted(pub.workers))

@@ -39,6 +39,7 @@ DOCKER_DIR = ROOT / "docker"
 COMPOSE = DOCKER_DIR / "docker-compose.yml"
 TMPFS = DOCKER_DIR / "docker-compose.tmpfs.yml"
 GPU = DOCKER_DIR / "docker-compose.gpu.yml"
+CURVE = DOCKER_DIR / "docker-compose.curve.yml"
 BASE_IMAGE = os.environ.get("ZMQSYNC_DOCKER_BASE_IMAGE", "zmqsync-base:bookworm")
 IMAGE = "zmqsync:test"
 WORKERS = ("worker-1", "worker-2", "worker-3")
@@ -586,6 +587,76 @@ def test_compose_tmpfs_volume_variant(docker: Docker) -> None:
     project.assert_gone(containers)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_compose_curve_variant(docker: Docker) -> None:
+    """CURVE on the trainer's bus; the workers and the sniffer take the keys from the
+    trainer's runtime dir, a shared volume. Every publish must be acked by all workers
+    within 2 s, under the 3 s a silent worker is given (6 heartbeats): acked by the
+    RECEIVE itself, never after a re-join."""
+    project = Project(
+        docker,
+        [COMPOSE, CURVE],
+        ZMQSYNC_UPDATES="12",
+        ZMQSYNC_INTERVAL="0.4",
+        ZMQSYNC_PUBLISH_TIMEOUT="2",
+    )
+    containers: list[str] = []
+    address = "tcp://127.0.0.1:5555"
+    try:
+        project.compose("up", "-d", "--no-build", timeout=240)
+        containers = [project.container(s) for s in ("trainer", *WORKERS, "sniffer")]
+        started = wait_until(project.event("started"), 120, "the trainer to start")
+        assert started["curve"] is True
+        worker = project.container("worker-1")
+        assert docker("exec", worker, "ls", "/run/zmqsync").split() == ["policy.curve"]
+        # with the keys, inspect answers; without them (same network namespace) nothing
+        state = json.loads(docker("exec", worker, "zmqsync", "inspect", address, "--json"))
+        assert state["access"]["curve"] is True
+        no_keys = ["-e", "ZMQSYNC_CURVE_CLIENT=", "-e", "ZMQSYNC_RUNTIME_DIR=/tmp/nokeys"]
+        denied = run(
+            [docker.cli, "exec", *no_keys, worker, "zmqsync", "inspect", address, "--timeout", "2"],
+            timeout=60,
+            check=False,
+        )
+        assert denied.returncode == 1 and "ConnectTimeout" in denied.stderr, denied.stderr
+
+        joined = wait_until(project.event("joined"), 180, "3 workers to join")
+        done = wait_until(project.event("done"), 300, "the trainer to finish", poll=1.0)
+        assert done["rc"] == 0
+        published = [r for r in project.records("trainer") if r["event"] == "published"]
+        assert [r["version"] for r in published] == list(range(1, done["version"] + 1))
+        for rec in published:
+            assert rec["missing"] == [] and rec["acked"] == list(WORKERS), rec
+        ms = sorted(r["ms"] for r in published)
+        print(f"curve compose: publish p50 {ms[len(ms) // 2]} ms, max {ms[-1]} ms")
+        assert joined["ts"] < published[0]["ts"]
+        for w in WORKERS:
+            wait_until(lambda w=w: project.status(w) == "exited", 60, f"{w} to exit")
+            records = project.records(w)
+            check_worker(w, records, done["version"])
+            assert [r["event"] for r in records].count("joined") == 1, w
+        # the sniffer read the tap through CURVE: every worker's last ack
+        docker("stop", "-t", "5", project.container("sniffer"), timeout=60)
+        seen = docker.records(project.container("sniffer"))
+        for w in WORKERS:
+            acked = {r["version"] for r in seen if r["type"] == "ack" and r["worker_id"] == w}
+            assert done["version"] in acked, f"sniffer: no ack of the last version from {w}"
+        # close() removed the keys: the volume is empty before `down -v` drops it
+        (volume,) = docker.ids(project.name, kind="volume")
+        left = docker(
+            "run", "--rm", "--network", "none", "-v", f"{volume}:/keys", IMAGE,
+            "ls", "-A", "/keys",
+        )  # fmt: skip
+        assert left.split() == [], left
+    except BaseException:
+        print(project.logs_tail())
+        raise
+    finally:
+        project.down()
+    project.assert_gone(containers)
+
+
 @pytest.mark.slow  # its fixture may install Docker and build the images
 @pytest.mark.timeout(300)
 def test_compose_files_are_valid(docker: Docker) -> None:
@@ -594,6 +665,7 @@ def test_compose_files_are_valid(docker: Docker) -> None:
         ([COMPOSE], ["ipc: shareable", "network_mode: none", "shm_size"]),
         ([COMPOSE, TMPFS], ["ipc: private", "/segments", "type: tmpfs"]),
         ([COMPOSE, GPU], ["pid: service:trainer", "capabilities", "driver: nvidia"]),
+        ([COMPOSE, CURVE], ["--curve", "ZMQSYNC_CURVE_CLIENT: /run/zmqsync/policy.curve"]),
     ):
         out = Project(docker, files).compose("config", timeout=60)
         for text in expected:

@@ -26,7 +26,6 @@ __all__ = [
     "DRAIN_BYTES",
     "DRAIN_MAX",
     "DRAIN_S",
-    "EVENT_MAX_BYTES",
     "FD_RESERVE_MIN",
     "HANDSHAKE_IVL_S",
     "SERVICE_S",
@@ -79,8 +78,11 @@ WORKER_RCVHWM = 256
 # 10-byte SUBSCRIBE command of ZMTP 3.1. The limit also applies to the handshake's own
 # commands, and CURVE's INITIATE is ~300 bytes.
 SUBSCRIPTION_MAX_BYTES = 512
-SUBSCRIPTION_RCVHWM = 1  # one subscription per connection is all a subscriber sends
-EVENT_MAX_BYTES = 4 * 1024  # RECEIVE, STOP or HEARTBEAT, as a subscriber gets them
+# One subscription per connection is all a subscriber sends. (Under CURVE the publisher's
+# ZAP handler gives no User-Id: libzmq would otherwise take this one place for good.)
+SUBSCRIPTION_RCVHWM = 1
+# What a subscriber's events socket accepts is the protocol's own bound on an event,
+# `_protocol.MAX_EVENT` (derived from its field table, not set here).
 DRAIN_MAX = 1024
 DRAIN_BYTES = 1024 * 1024
 DRAIN_S = 0.002

@@ -951,7 +951,14 @@ static PyTypeObject FollowerType = {
  * call: an ACK written as the workers' template writes it, with a worker id and a
  * session that passed the protocol's checks before (its `passed` sets), becomes a tuple
  * (worker_id, session, version), which is what `read_ack` returns for it; any other
- * frame comes back as (bytes, more) for the Python way. */
+ * frame comes back as (bytes, False) for the Python way.
+ *
+ * A read returns whole messages: a multipart message (never ours) is read to its last
+ * part here and comes back once, as (its first frame, True). A read that stopped inside
+ * one would leave its rest to whichever reader comes next, the agent's Python drain
+ * included, and a "still inside a message" state kept between reads then took the
+ * next honest frame for a part and dropped it. libzmq delivers a message's parts
+ * together, so once the first is read the rest are queued: reading them never waits. */
 typedef struct {
     PyObject_HEAD
     Zmq zmq;
@@ -1062,11 +1069,37 @@ static PyObject *match_ack(AckReader *self, const unsigned char *data, size_t si
     return NULL;
 }
 
+/* Read and drop the rest of a multipart message whose first part was just read; 0, or
+ * the errno of a failed receive. The socket is this thread's while it reads (`_io`). */
+static int drop_rest(AckReader *self)
+{
+    int more = 1, err = 0;
+    zmq_msg part;
+    Py_BEGIN_ALLOW_THREADS
+    while (more) {
+        self->zmq.msg_init(&part);
+        if (self->zmq.msg_recv(&part, self->sock, ZMQ_DONTWAIT) < 0) {
+            err = self->zmq.errno_();
+            self->zmq.msg_close(&part);
+            if (err == EINTR) {
+                err = 0;
+                continue;
+            }
+            break;
+        }
+        more = self->zmq.msg_more(&part);
+        self->zmq.msg_close(&part);
+    }
+    Py_END_ALLOW_THREADS
+    return err == EAGAIN ? 0 : err; /* EAGAIN: nothing more after all (not expected) */
+}
+
 PyDoc_STRVAR(read_doc,
 "read(most, /)\n--\n\n"
-"At most `most` frames from the socket: the first as its receive allows (blocking up to\n"
-"its RCVTIMEO), then only those already queued. A list of (worker_id, session, version)\n"
-"for each ACK read here, and (bytes, more) for any other frame; empty if none came.");
+"At most `most` messages from the socket: the first as its receive allows (blocking up\n"
+"to its RCVTIMEO), then only those already queued. A list of (worker_id, session,\n"
+"version) for each ACK read here, (bytes, False) for any other one-frame message, and\n"
+"(first frame, True) for a multipart message, read whole and dropped; empty if none came.");
 
 static PyObject *reader_read(AckReader *self, PyObject *arg)
 {
@@ -1113,6 +1146,11 @@ static PyObject *reader_read(AckReader *self, PyObject *arg)
                                  more ? Py_True : Py_False);
         }
         self->zmq.msg_close(&msg);
+        if (item != NULL && more && (err = drop_rest(self)) != 0) {
+            Py_DECREF(item);
+            raise_zmq(self->error, err);
+            item = NULL;
+        }
         if (item == NULL || PyList_Append(out, item) < 0) {
             Py_XDECREF(item);
             Py_DECREF(out);

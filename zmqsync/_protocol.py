@@ -34,6 +34,7 @@ from ._errors import ProtocolError
 __all__ = [
     "DTYPES",
     "FIELDS",
+    "MAX_EVENT",
     "MESSAGE_TYPES",
     "PROTO",
     "Ack",
@@ -62,6 +63,7 @@ __all__ = [
     "encode",
     "integer",
     "list_of",
+    "max_encoded",
     "number",
     "read_ack",
     "read_receive",
@@ -153,6 +155,9 @@ def _show(value: Any, limit: int) -> str:
 _INT_RANGES: dict[Check, tuple[int, int]] = {}
 _BIN_MAX: dict[Check, int] = {}
 _TEXT_PASSED: dict[Check, set[str]] = {}
+# What `max_encoded` needs: per flat check, a value encoded at least as long as any the
+# check accepts (made on demand: a binary field may allow 16 MiB).
+_LONGEST: dict[Check, Callable[[], Any]] = {}
 
 
 def _int(lo: int = 0, hi: int = MAX_U63) -> Check:
@@ -165,6 +170,7 @@ def _int(lo: int = 0, hi: int = MAX_U63) -> Check:
 
     check.__doc__ = f"int in [{lo}, {hi}]"
     _INT_RANGES[check] = (lo, hi)
+    _LONGEST[check] = lambda: max(lo, hi, key=lambda v: len(msgpack.packb(v)))
     return check
 
 
@@ -178,6 +184,7 @@ def _float(lo: float, hi: float) -> Check:
         return float(value)
 
     check.__doc__ = f"float in [{lo}, {hi}]"
+    _LONGEST[check] = lambda: float(hi)  # a float64 (an int in range packs no longer)
     return check
 
 
@@ -204,6 +211,7 @@ def _text(max_len: int, pattern: re.Pattern[str] | None = None, empty: bool = Tr
         return value
 
     _TEXT_PASSED[check] = passed
+    _LONGEST[check] = lambda: "\U0010ffff" * max_len  # 4 bytes of UTF-8 per character
     rule = f", matching {pattern.pattern}" if pattern is not None else ""
     check.__doc__ = f"str, at most {max_len} chars{rule}" + ("" if empty else ", not empty")
     return check
@@ -216,6 +224,7 @@ def _choice(*options: str) -> Check:
         return value
 
     check.__doc__ = "one of " + ", ".join(f'"{o}"' for o in options)
+    _LONGEST[check] = lambda: max(options, key=lambda o: len(o.encode()))
     return check
 
 
@@ -227,6 +236,7 @@ def _bin(max_len: int) -> Check:
 
     check.__doc__ = f"bytes, at most {max_len}"
     _BIN_MAX[check] = max_len
+    _LONGEST[check] = lambda: bytes(max_len)
     return check
 
 
@@ -783,6 +793,34 @@ def encode(msg: Message) -> bytes:
     body["proto"] = PROTO
     body["type"] = msg.TYPE
     return msgpack.packb(body, use_bin_type=True)  # type: ignore[no-any-return]
+
+
+def max_encoded(*classes: type[Message]) -> int:
+    """The most bytes `encode` can write for a valid message of any of `classes`.
+
+    Derived from the field table (every field at its longest), so that a socket sized
+    with it accepts every message a peer may legally send, whatever a field's limit
+    becomes: a smaller frame limit makes libzmq drop an honest peer. Text counts four
+    bytes per character, so the bound may exceed the longest real message a little.
+
+    Raises:
+        TypeError: a class has nested records or lists (no flat bound is derived).
+    """
+    longest = 0
+    for cls in classes:
+        body: dict[str, Any] = {}
+        for name, (check, _) in FIELDS[cls].items():
+            if check not in _LONGEST:
+                raise TypeError(f"{cls.__name__}.{name} is not a flat field")
+            body[name] = _LONGEST[check]()
+        body["proto"], body["type"] = PROTO, cls.TYPE
+        longest = max(longest, len(msgpack.packb(body, use_bin_type=True)))
+    return longest
+
+
+# The largest frame on the events socket (~12.3 KiB): a RECEIVE whose `changed` bitmap
+# has a bit for each of MAX_TENSORS tensors. A subscriber refuses larger ones.
+MAX_EVENT = max_encoded(Receive, Stop, Heartbeat)
 
 
 def template_pieces(cls: type[Message], **fixed: Any) -> tuple[bytes, ...]:

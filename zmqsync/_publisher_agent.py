@@ -122,7 +122,6 @@ class Agent:
         self._failure: BaseException | None = None
         self.tap: zmq.Socket[bytes] | None = None
         self._ack_reader: Any = None  # `_native.AckReader` over `acks` (see `collect`)
-        self._in_multipart = False  # the native reader is inside a multipart message
         self.endpoints: dict[str, str] = {}  # cached: LAST_ENDPOINT is a socket call
         self.closed = False  # the sockets are closed (set under `_io`)
         self._auth: Authenticator | None = None
@@ -414,9 +413,9 @@ class Agent:
 
     def _collect_batches(self, reader: Any, done: Callable[[], bool], deadline: Deadline) -> None:
         """`collect` with the native reader: every turn takes what is queued (at least
-        one frame, waiting up to the socket's RCVTIMEO for it), applies its ACKs under
-        one lock, then asks `done()`. Other frames are decoded as `_read` does; a
-        multipart message (never ours) is dropped, counted once."""
+        one message, waiting up to the socket's RCVTIMEO for it), applies its ACKs under
+        one lock, then asks `done()`. Other messages are decoded as `_read` does; a
+        multipart one (never ours) comes whole from the reader, dropped, counted once."""
         shared, role = self.shared, self.role
         lock = shared.lock
         batch: list[tuple[Any, ...]] = []
@@ -449,16 +448,16 @@ class Agent:
                     shared.cond.notify_all()
 
     def _read_part(self, item: tuple[Any, ...]) -> Message | None:
-        """A frame the native reader did not take as an ACK, as a message (or None). The
-        parts of a multipart message are dropped, the message counted once."""
+        """A message the native reader did not take as an ACK, as a message (or None).
+
+        The reader returns whole messages (a multipart one as its first frame), so
+        nothing here depends on an earlier read: whatever read the socket before, this
+        thread or the agent's Python drain, no honest frame is taken for a part.
+        """
         if type(item[0]) is str:
             return None  # an ACK, applied as it is
-        frame, more = item
-        if self._in_multipart:
-            self._in_multipart = more
-            return None
-        if more:
-            self._in_multipart = True
+        frame, multipart = item
+        if multipart:
             self._dropped_multipart(frame)
             return None
         return self._message(frame)
@@ -629,7 +628,10 @@ class Agent:
         cost ~4 us more per ack on a cold thread).
         """
         frame, more = part.bytes, part.more
-        if more:  # multipart is not ours: read and drop (its parts come together)
+        # Multipart is not ours: read and drop (its parts come together). A tail longer
+        # than the budget is left: each of its frames is then junk on its own to the next
+        # reader, which keeps no state about it (see `_read_part`).
+        if more:
             tail, budget = True, Drain()
             while tail:
                 try:

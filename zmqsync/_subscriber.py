@@ -73,6 +73,7 @@ from ._follow import FOLLOWER, GATE, libzmq_path, zmq_error
 from ._layout import Key, Layout, flatten
 from ._link import Action, Handshake, Link, LinkState, Lost, Offer, Rejected, Repair, Stopped
 from ._protocol import (
+    MAX_EVENT,
     Ack,
     Bye,
     Error,
@@ -86,7 +87,7 @@ from ._protocol import (
     template,
     template_pieces,
 )
-from ._security import CurveClient, client_from_env
+from ._security import CurveClient, found_keys
 from ._sockets import NOBLOCK, Secure, connect, request, resolve_endpoint, send_bytes
 from ._text import printable
 
@@ -170,7 +171,8 @@ class Subscriber:
         shm_dir: where the publisher's segments are (default $ZMQSYNC_SHM_DIR or /dev/shm).
         curve: this worker's CURVE keys and the publisher's public key, for a publisher
             that requires CURVE (see docs/security.md). None: $ZMQSYNC_CURVE_CLIENT, or
-            the keys a ``curve=True`` publisher of `name` left in the runtime dir.
+            the keys a ``curve=True`` publisher of `name` left in the runtime dir, read
+            again at each handshake (a restarted publisher has new ones).
         publisher_uid: the uid the publisher's segments must belong to. None: the owner
             of an ipc:// control socket, else this process's uid. Set it for a tcp:// bus
             whose publisher runs as another uid of a shared group (see ``group=``): a
@@ -210,8 +212,7 @@ class Subscriber:
         self._shm_dir = _config.shm_dir(shm_dir)
         self._publisher_uid = publisher_uid
         self._pid = os.getpid()
-        curve = curve if curve is not None else client_from_env(self.name)
-        self._secure = curve.apply if curve is not None else None
+        self._secure = curve.apply if curve is not None else found_keys(self.name)
         self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)
         self._waiters = _Waiters(self._cond)
@@ -1001,9 +1002,8 @@ class _Agent:
         """Connect SUB and wait until the publisher confirms the subscription is live."""
         if self.events is not None:
             self.events.close()
-        self.events = connect(
-            self.ctx, zmq.SUB, endpoint, self.port.secure, max_bytes=_config.EVENT_MAX_BYTES
-        )
+        # The largest legal event: a RECEIVE of the largest bus, with its `changed` bitmap
+        self.events = connect(self.ctx, zmq.SUB, endpoint, self.port.secure, max_bytes=MAX_EVENT)
         self.events.setsockopt(zmq.SUBSCRIBE, b"")
         self.events.setsockopt(zmq.RCVHWM, 100_000)
         self.events.connect(self._wake_addr)

@@ -581,6 +581,11 @@ def cmd_relay(args: argparse.Namespace) -> int:
         )
 
     node: RelayRoot | Relay
+    if args.root and args.curve:
+        raise ValueError(
+            "--curve makes keys for a relay's own bus; a root joins the trainer's bus with "
+            "the keys the trainer left (--name) or $ZMQSYNC_CURVE_CLIENT"
+        )
     if args.root:
         node = RelayRoot(
             args.address,
@@ -611,6 +616,7 @@ def cmd_relay(args: argparse.Namespace) -> int:
             insecure=args.insecure,
             on_update=lambda v: emit({"event": "published", "version": v}),
             join_timeout=args.connect_timeout,
+            curve=True if args.curve else None,
         )
 
     def on_signal(signum: int, frame: Any) -> None:
@@ -657,6 +663,12 @@ def _add_relay_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--connect-timeout", type=float, default=60.0, help="relay: wait for a root (s)")
     p.add_argument(
         "--insecure", action="store_true", help="allow a non-loopback rendezvous address"
+    )
+    p.add_argument(
+        "--curve",
+        action="store_true",
+        help="relay: CURVE on the local bus, its workers' keys left in the runtime dir (a "
+        "root needs no flag: it finds a curve=True trainer's keys as a worker does)",
     )
     p.add_argument("--json", action="store_true", help="one JSON line per event")
 

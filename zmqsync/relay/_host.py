@@ -41,6 +41,7 @@ from .._errors import ClosedError, ProtocolError, PublishTimeout, ZmqSyncError
 from .._gc import collect_garbage
 from .._protocol import TensorSpec
 from .._publisher import Publish, Publisher
+from .._security import CurveServer
 from .._sockets import NOBLOCK
 from ._data_channel import DataLink
 from ._host_agent import Holding, Inbox, RelayAgent
@@ -171,6 +172,9 @@ class Relay:
         on_update: callable(version) run after each version is on the local bus.
         join_timeout: start() deadline for the first join (default: `timeout`); a relay
             started before its root waits this long.
+        curve: CURVE for the local bus, as `Publisher` takes it: True makes keys and
+            leaves the client's in this host's runtime dir for the local workers, or a
+            CurveServer. A tcp:// local address off loopback requires it.
     """
 
     def __init__(
@@ -190,6 +194,7 @@ class Relay:
         insecure: bool = False,
         on_update: Callable[[int], None] | None = None,
         join_timeout: float | None = None,
+        curve: CurveServer | bool | None = None,
     ) -> None:
         self.name = _config.check_name(name)
         self.relay_id = relay_id or socket.gethostname()
@@ -209,6 +214,7 @@ class Relay:
         self.address = ""
         self._slots, self._timeout, self._on_timeout = slots, float(timeout), on_timeout
         self._heartbeat, self._shm_dir, self._tap = float(heartbeat), shm_dir, tap
+        self._curve = curve
         self._on_update = on_update
         self._join_timeout = self._timeout if join_timeout is None else join_timeout
         self._lock = threading.RLock()
@@ -625,6 +631,7 @@ class Relay:
             heartbeat=self._heartbeat,
             shm_dir=self._shm_dir,
             tap=self._tap,
+            curve=self._curve,
         )
         try:
             bus.start()  # version 0 of the local bus holds these bytes...

@@ -36,6 +36,7 @@ from .. import _config, _lifecycle
 from .._deadline import Deadline
 from .._errors import ClosedError, ProtocolError, ZmqSyncError
 from .._protocol import Inspect, State, TensorSpec
+from .._security import CurveClient, found_keys
 from .._sockets import request
 from .._subscriber import Subscriber
 from ._carrier import Carrier, Relayed, Settings
@@ -89,6 +90,10 @@ class RelayRoot:
         insecure: allow a non-loopback rendezvous address (torch.distributed has no
             authentication; say that the network is trusted).
         on_relayed: callable(Relayed) run after each version (on the relay thread).
+        curve: the CURVE keys for a trainer's bus that has them, used both to inspect
+            the bus and to subscribe to it; None: found as a `Subscriber` finds them
+            ($ZMQSYNC_CURVE_CLIENT, else the keys a ``curve=True`` trainer of `name`
+            left in the runtime dir), at each handshake.
     """
 
     def __init__(
@@ -108,6 +113,7 @@ class RelayRoot:
         device: str | None = None,
         insecure: bool = False,
         on_relayed: Callable[[Relayed], None] | None = None,
+        curve: CurveClient | None = None,
     ) -> None:
         self.name = _config.check_name(name)
         if ack not in ("tree", "relays"):
@@ -125,6 +131,7 @@ class RelayRoot:
         self._device = check_backend(backend, device)
         self._address_arg = address
         self.address = ""
+        self._curve = curve
         self._backend, self._ack, self._on_timeout = backend, ack, on_timeout
         self._timeout, self._heartbeat = float(timeout), float(heartbeat)
         lost_after = self._heartbeat * _config.LOST_AFTER_BEATS
@@ -255,6 +262,7 @@ class RelayRoot:
                 device="cpu",  # read the CPU segment (the publisher mirrors GPU weights there)
                 timeout=self._timeout,
                 on_update=self._on_version,
+                curve=self._curve,
             )
             self._feed = feed.start()
             stack.callback(feed.close)
@@ -376,7 +384,10 @@ class RelayRoot:
     def _inspect_bus(self, refuse_duplicate: bool = False) -> State:
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         try:
-            reply = request(ctx, self.address, Inspect(""), deadline=Deadline(self._timeout))
+            secure = self._curve.apply if self._curve is not None else found_keys(self.name)
+            reply = request(
+                ctx, self.address, Inspect(""), deadline=Deadline(self._timeout), secure=secure
+            )
         finally:
             ctx.destroy(linger=0)
         if not isinstance(reply, State):
