@@ -3,9 +3,10 @@
 On one host the runtime dir's permissions (0700) decide who can reach an ipc:// socket,
 and a loopback tcp:// address is reachable only from this host's network namespace. A
 tcp:// address on any other interface is reachable by the network, so it requires CURVE
-(encryption plus an allowlist of client public keys, checked through ZAP) unless the
-caller passes ``insecure=True`` explicitly. An unauthorized client gets no handshake, no
-events, and its messages never reach the publisher's code.
+(encryption plus an allowlist of client public keys, checked through ZAP by the
+publisher's `Gate`) unless the caller passes ``insecure=True`` explicitly. An
+unauthorized client gets no handshake, no events, and its messages never reach the
+publisher's code.
 
 Keys are Z85 text (40 characters), as made by `curve_keypair()`.
 
@@ -28,11 +29,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import zmq
+from zmq.utils import z85
 
 __all__ = [
     "CurveClient",
     "CurveServer",
-    "Authenticator",
     "client_from_env",
     "client_keys_path",
     "curve_keypair",
@@ -78,9 +79,16 @@ class CurveServer:
 
     def apply(self, sock: zmq.Socket[bytes]) -> None:
         sock.zap_domain = ZAP_DOMAIN.encode()
+        # Without a ZAP handler libzmq would let every key in ("Stonehouse"): enforced,
+        # a handshake then fails instead (while the publisher opens or closes).
+        sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
         sock.curve_secretkey = _key(self.secret)
         sock.curve_publickey = _key(self.public)
         sock.curve_server = True
+
+    def allows(self, key: bytes) -> bool:
+        """Whether a client's public key (32 bytes, as ZAP gives it) may connect."""
+        return len(key) == 32 and z85.encode(key).decode() in self.allowed_clients
 
 
 @dataclass(frozen=True)
@@ -173,27 +181,3 @@ def require_security(address: str, curve: CurveServer | None, insecure: bool) ->
             "(see docs/security.md), use a loopback or ipc:// address, or pass insecure=True "
             "to accept unauthenticated clients knowingly"
         )
-
-
-class _Allowlist:
-    def __init__(self, keys: frozenset[str]) -> None:
-        self.keys = {k.encode() for k in keys}
-
-    def callback(self, domain: str, key: bytes) -> bool:
-        return key in self.keys
-
-
-class Authenticator:
-    """pyzmq's ZAP thread, answering with the publisher's allowlist."""
-
-    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], curve: CurveServer) -> None:
-        from zmq.auth.thread import ThreadAuthenticator
-
-        self._auth = ThreadAuthenticator(ctx)
-        self._auth.start()
-        self._auth.configure_curve_callback(
-            ZAP_DOMAIN, credentials_provider=_Allowlist(curve.allowed_clients)
-        )
-
-    def stop(self) -> None:
-        self._auth.stop()
