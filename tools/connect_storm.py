@@ -24,6 +24,7 @@ import argparse
 import ipaddress
 import json
 import multiprocessing
+import signal
 import socket
 import sys
 import time
@@ -70,13 +71,16 @@ def _greet(sock: socket.socket) -> None:
         got += len(chunk)
 
 
+_stopped: list[bool] = []  # SIGTERM: end the storm and report, as at its deadline
+
+
 def _storm(endpoint: str, mode: str, seconds: float, count: int, hold: int) -> dict[str, float]:
     family, address = _target(endpoint)
     made = errors = 0
     held: list[socket.socket] = []
     start = time.monotonic()
     end = start + seconds
-    while made < count and time.monotonic() < end:
+    while made < count and time.monotonic() < end and not _stopped:
         try:
             if mode == "hold":
                 for sock in list(held):  # drop what the publisher shut down
@@ -119,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--procs", type=int, default=1, help="processes, each its own storm")
     args = p.parse_args(argv)
     _target(args.endpoint)
+    signal.signal(signal.SIGTERM, lambda *_: _stopped.append(True))
     args.seconds = min(max(args.seconds, 0.0), 600.0)
     if args.procs > 1:
         with multiprocessing.Pool(min(args.procs, 64)) as pool:
