@@ -30,6 +30,10 @@ pytestmark = pytest.mark.timeout(180)
 VICTIM, JOINER = "tests/helpers/victim.py", "tests/helpers/joiner.py"
 STORM = "tools/connect_storm.py"
 JOIN_DEADLINE_S = 10.0  # what each worker allows itself (the default Subscriber timeout)
+# Connections a second per peer (and HELLOs a second): low, so that a storm spends any
+# shared allowance at once, however fast this host lets it connect (loopback tcp here
+# takes a few hundred connections a second, ipc tens of thousands).
+RATE = "20"
 
 
 @pytest.fixture
@@ -56,7 +60,18 @@ def _free_port() -> int:
 
 
 def _victim(spawn, name, *extra):
-    victim = spawn(VICTIM, name, "--data-mb", "1024", "--interval", "0.1", *extra, module="")
+    victim = spawn(
+        VICTIM,
+        name,
+        "--data-mb",
+        "1024",
+        "--interval",
+        "0.1",
+        "--handshake-rate",
+        RATE,
+        *extra,
+        module="",
+    )
     started = victim.wait_for(lambda r: r.get("event") == "started", timeout=60)
     return victim, started["address"]
 
@@ -86,7 +101,18 @@ def _join_during(spawn, tmp_path: Path, address, name, workers=4) -> list[dict]:
     """Start `workers` joiners at once; what each reported (joined, then heard)."""
     go = tmp_path / f"go-{time.monotonic_ns()}"
     joiners = [
-        spawn(JOINER, address, "--name", name, "--go", str(go), module="") for _ in range(workers)
+        spawn(
+            JOINER,
+            address,
+            "--name",
+            name,
+            "--go",
+            str(go),
+            "--timeout",
+            str(JOIN_DEADLINE_S),
+            module="",
+        )
+        for _ in range(workers)
     ]
     for joiner in joiners:
         joiner.wait_for(lambda r: r.get("event") == "ready", timeout=60)
@@ -99,20 +125,24 @@ def _join_during(spawn, tmp_path: Path, address, name, workers=4) -> list[dict]:
     return results
 
 
-def _assert_all_joined(results, within=JOIN_DEADLINE_S):
+def _assert_all_joined(results):
+    """Every worker got in within its own deadline (JOIN_DEADLINE_S: else ConnectTimeout)
+    and then heard new versions. How long each took is not asserted: on a loaded host a
+    join takes seconds with no storm at all (see tools/storm_join.py for the figures)."""
     failed = [r["last"] for r in results if r["last"]["event"] != "heard"]
     assert not failed, f"{len(failed)} of {len(results)} workers did not get in: {failed}"
     times = sorted(r["joined"] for r in results)
-    assert times[-1] < within, f"joins took {times}"
     return statistics.median(times), times[-1]
 
 
-@pytest.mark.parametrize("transport", ["ipc", "tcp", "tcp-curve"])
+@pytest.mark.parametrize("transport", ["ipc", "ipc-curve", "tcp", "tcp-curve"])
 def test_workers_join_during_a_connect_storm_on_the_events_socket(
     ctx, spawn, name, tmp_path, transport
 ):
-    extra = [] if transport == "ipc" else ["--address", f"tcp://127.0.0.1:{_free_port()}"]
-    if transport == "tcp-curve":
+    """With CURVE the storm has no keys: its connections never get past the handshake,
+    and must cost the workers nothing."""
+    extra = ["--address", f"tcp://127.0.0.1:{_free_port()}"] if "tcp" in transport else []
+    if "curve" in transport:
         extra.append("--curve")
     victim, address = _victim(spawn, name, *extra)
     storm = _storm(spawn, _state(ctx, address, name).events)
