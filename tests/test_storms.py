@@ -90,7 +90,7 @@ def _end(victim) -> None:
     assert rc == 0, f"the publisher died (rc {rc}): {victim.stderr[-3000:]}"
 
 
-def _storm(spawn, endpoint, mode="raw", seconds=15.0):
+def _storm(spawn, endpoint, mode="raw", seconds=60.0):
     storm = spawn(STORM, endpoint, "--mode", mode, "--seconds", str(seconds), module="")
     time.sleep(1.0)  # let it reach full speed (the storm's own ramp, not a synchronisation)
     assert storm.proc.poll() is None, f"the storm did not start: {storm.stderr[-2000:]}"
