@@ -61,6 +61,7 @@ def _violations(modules: list[str], forbidden: tuple[str, ...]) -> list[str]:
 IO = ("zmq", "socket", "threading", "time", "os", "subprocess", "select", "mmap", "asyncio")
 # The roles: publisher and subscriber, their state objects, buffers, the protocol.
 CORE = (
+    "zmqsync._admission",
     "zmqsync._apply",
     "zmqsync._buffers",
     "zmqsync._checksum",
@@ -90,7 +91,7 @@ RULES = {
         (*IO, "torch"),
     ),
     "the state objects take messages and a clock: no I/O, no clock, no tensors": (
-        ("zmqsync._registry", "zmqsync._publisher_role", "zmqsync._link"),
+        ("zmqsync._registry", "zmqsync._publisher_role", "zmqsync._link", "zmqsync._admission"),
         (*[m for m in IO if m != "os"], "torch"),
     ),
     "buffers, layout and copies never import zmq": (

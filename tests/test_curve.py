@@ -71,7 +71,7 @@ def _serve_zap(ctx, user_id: bytes, stop: threading.Event) -> threading.Thread:
     [(b"the client's key", 1, False), (b"", 1, True), (b"the client's key", 2, True)],
 )
 def test_libzmq_loses_a_queue_place_per_connection_to_a_zap_user_id(ctx, user_id, rcvhwm, arrives):
-    """Raw pyzmq, no zmqsync: why `Authenticator` answers ZAP with no User-Id.
+    """Raw pyzmq, no zmqsync: why the publisher answers ZAP with no User-Id.
 
     Given a User-Id, libzmq puts a credential message at the head of the connection's
     pipe; the writer counts it against RCVHWM, the reader skips it without counting. A

@@ -157,7 +157,8 @@ already serves its `ipc://` address (it refuses to start if one answers).""",
 `counters` includes publishes, handshakes, acks, stale, rejected, timeouts, evictions,
 lost, refused_ids, dropped_peers (a counter appears once it is non-zero), and always
 `connections` (open now) and `refused_connections` (closed by the publisher because the
-bus was full; see docs/security.md).""",
+bus was full, or refused at the handshake because the peer connected faster than its
+rate or its CURVE key is not allowed; see docs/security.md).""",
     P.Tap: """\
 The tap is off by default (`Publisher(tap=True)` or `ZMQSYNC_TAP=1` turns it on); WELCOME
 and STATE name its endpoint. Each TAP wraps one frame the publisher sent (`dir` "out") or

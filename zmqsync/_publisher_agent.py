@@ -27,6 +27,7 @@ from typing import Any, cast
 import zmq
 
 from . import _config
+from ._admission import peer_of
 from ._config import XPUB_WELCOME
 from ._connections import Gate
 from ._deadline import Deadline
@@ -48,7 +49,7 @@ from ._protocol import (
     read_ack,
 )
 from ._publisher_role import Endpoints, PublisherRole
-from ._security import Authenticator, CurveServer
+from ._security import CurveServer
 from ._sockets import (
     NOBLOCK,
     Drain,
@@ -57,7 +58,6 @@ from ._sockets import (
     protect_ipc,
     readable,
     send_bytes,
-    shutdown_fd,
     sibling_endpoint,
     source_fd,
 )
@@ -71,6 +71,9 @@ _SUBSCRIBE_ALL = b"\x01"  # the only subscription the protocol uses: to every ev
 IO_LOCK_S = 30.0  # the agent holds `io` for one bounded step; longer means it is stuck
 _COLLECT_WAIT_S = 0.005  # longest blocking recv while collecting acks
 _BATCH_MAX = 256  # frames read per turn by the native reader (then the lock, done())
+# ZAP domains of the sockets whose connections are rate-limited per peer (see Gate): a
+# domain of their own tells the gate which socket a handshake is for.
+_EVENTS_DOMAIN, _TAP_DOMAIN = b"zmqsync.events", b"zmqsync.tap"
 
 
 @dataclasses.dataclass(eq=False)
@@ -124,7 +127,8 @@ class Agent:
         self._ack_reader: Any = None  # `_native.AckReader` over `acks` (see `collect`)
         self.endpoints: dict[str, str] = {}  # cached: LAST_ENDPOINT is a socket call
         self.closed = False  # the sockets are closed (set under `_io`)
-        self._auth: Authenticator | None = None
+        self._member_peers: dict[str, str] = {}  # worker id -> the peer it was welcomed from
+        self._control_ipc = shared.address.startswith("ipc://")
         self._tap_key = secrets.token_bytes(16)  # see `_redacted`
         self._orphaned = False  # stop() was called on this thread (see stop)
 
@@ -159,8 +163,6 @@ class Agent:
         self._ack_reader = None  # it uses the acks socket, which goes with the context
         with self.shared.pipe_lock:
             self._pipe_in.close()
-        if self._auth is not None:
-            self._auth.stop()
         self.ctx.destroy(linger=0)
 
     # --- the loop (agent thread) ---
@@ -192,6 +194,7 @@ class Agent:
                     self._ack_reader = None
                     for sock in (self.pipe, *bound):
                         sock.close()
+                    self.gate.close_zap()  # after them (see there)
                 finally:
                     self.shared.io.release()
             else:  # left to the context's destroy in stop()
@@ -206,8 +209,6 @@ class Agent:
     def _bind(self) -> None:
         address, shared = self.shared.address, self.shared
         secure = shared.curve.apply if shared.curve is not None else None
-        if shared.curve is not None:
-            self._auth = Authenticator(self.ctx, shared.curve)
         self.pipe = self.ctx.socket(zmq.PAIR)
         self.pipe.linger = 0
         self.pipe.connect(self._pipe_addr)
@@ -217,6 +218,9 @@ class Agent:
             shared.fd_limit,
             shared.role.handshake_rate,  # a worker connects to events once per handshake
         )
+        # Bound before any socket: every handshake on a rate-limited or CURVE socket
+        # waits for its answer (the allowlist, and the per-peer rates).
+        self.gate.serve_zap(self.ctx, shared.curve.allows if shared.curve is not None else None)
         self.control = bind(
             self.ctx,
             zmq.REP,
@@ -231,6 +235,7 @@ class Agent:
             sock.setsockopt(zmq.SNDHWM, 100_000)
             if secure is not None:
                 secure(sock)
+            sock.zap_domain = _EVENTS_DOMAIN
 
         def tap_options(sock: zmq.Socket[bytes]) -> None:
             # Small HWM and NODROP: a slow or stopped sniffer makes send() fail at once
@@ -239,6 +244,7 @@ class Agent:
             sock.setsockopt(zmq.XPUB_NODROP, 1)
             if secure is not None:
                 secure(sock)
+            sock.zap_domain = _TAP_DOMAIN
 
         # Subscribers only ever subscribe to everything: an empty prefix (see
         # `_drain_subscriptions`), so subscription frames are tiny.
@@ -307,17 +313,26 @@ class Agent:
         poller = zmq.Poller()
         poller.register(self.pipe, zmq.POLLIN)
         poller.register(self.control, zmq.POLLIN)
-        monitors = self.gate.monitors()
+        gate = self.gate
+        monitors = gate.monitors()
         for monitor in monitors:  # connections come and go: counted at once (see Gate)
             poller.register(monitor, zmq.POLLIN)
+        assert gate.zap is not None
+        poller.register(gate.zap, zmq.POLLIN)  # handshakes wait for it: answered at once
         io, beat = self.shared.io, self.role.heartbeat
         next_beat = next_service = time.monotonic()
         while True:
             wake = min(next_beat, next_service)
-            ready = dict(poller.poll(max(0, int((wake - time.monotonic()) * 1000)) + 1))
-            for monitor in monitors:  # needs no socket of the bus: not under `_io`
+            wait_ms = 0 if gate.pending else max(0, int((wake - time.monotonic()) * 1000)) + 1
+            ready = dict(poller.poll(wait_ms))
+            # None of this needs a socket of the bus: not under `_io`.
+            if gate.zap in ready:
+                gate.on_zap()
+            for monitor in monitors:
                 if monitor in ready:
-                    self.gate.on_event(monitor)
+                    gate.on_event(monitor)
+            if gate.pending:
+                gate.settle()
             now = time.monotonic()
             if self.pipe in ready or self.control in ready or now >= next_beat:
                 if not io.acquire(timeout=IO_LOCK_S):
@@ -517,7 +532,8 @@ class Agent:
         # waits for the next one, so a peer sending such messages kept a blocking recv
         # (and the heartbeats behind it) waiting for as long as it liked.
         try:
-            frames = [self.control.recv(NOBLOCK)]
+            first = self.control.recv(NOBLOCK, copy=False)
+            frames = [first.bytes]
             while self.control.rcvmore:  # a request is one frame; the rest is not kept
                 self.control.recv(NOBLOCK, copy=False)
                 frames.append(b"")
@@ -533,7 +549,7 @@ class Agent:
             if self.tap is not None:
                 self._mirror("in", peer, self._redacted(msg, frames[0]))
             if isinstance(msg, Hello):
-                reply = self._welcome(msg)
+                reply = self._welcome(msg, self._peer(first))
             elif isinstance(msg, Inspect):
                 reply = self._state()
             else:
@@ -552,9 +568,20 @@ class Agent:
                 reply = dataclasses.replace(reply, buffers=redacted)
             self._mirror("out", peer, self._redacted(reply, frame))
 
-    def _welcome(self, hello: Hello) -> Welcome:
+    def _peer(self, frame: zmq.Frame) -> str:
+        """The peer a control request came from, as libzmq saw the connection (its
+        process on ipc://, its host on tcp://), never as the request says."""
+        try:
+            address = frame.get("Peer-Address")
+        except zmq.ZMQError:
+            address = ""
+        return peer_of(str(address), ipc=self._control_ipc)
+
+    def _welcome(self, hello: Hello, peer: str) -> Welcome:
         """Admit and register a worker (see `PublisherRole`); a worker that reads the CPU
-        copy of CUDA weights gets the current slot's copy made before its WELCOME."""
+        copy of CUDA weights gets the current slot's copy made before its WELCOME. Its
+        peer becomes a member (see `Gate`): its events and acks connects, which follow,
+        are never refused."""
         shared, role = self.shared, self.role
         with shared.cond:
             hello = role.admit(hello, time.monotonic(), connections_full=self.gate.full(2))
@@ -565,6 +592,8 @@ class Agent:
                 shared.cond.notify_all()
             if copy and shared.fill_mirror is not None:
                 shared.fill_mirror(welcome.slot)
+        self.gate.welcomed(peer)
+        self._member_peers[hello.worker_id] = peer
         if old is None:
             again = ""
         elif old.session != hello.session:
@@ -676,6 +705,12 @@ class Agent:
             lost = role.drop_silent(now)
             if lost:
                 self.shared.cond.notify_all()
+            members = role.registry.members
+            gone = [wid for wid in self._member_peers if wid not in members]
+        for wid in gone:
+            del self._member_peers[wid]
+        for peer in set(self._member_peers.values()):  # members while on the bus
+            self.gate.welcomed(peer)
         for member in lost:
             log.info("worker %s silent for %.1f s: dropped", member.worker_id, role.silent_after)
             self.send_event(role.stop_for(member.session, "silent too long"), member.worker_id)
@@ -693,6 +728,7 @@ class Agent:
         # Read all there is (up to a bound): each junk frame left waiting is a peer not
         # dropped yet, feeding libzmq more subscriptions with every socket call.
         budget, rejected, dropped, seen = Drain(frames=16 * _config.DRAIN_MAX), 0, 0, set()
+        mark, emptied = self.gate.mark(endpoint), True
         while readable(sock):
             frame = sock.recv(copy=False)
             data = frame.bytes
@@ -700,10 +736,12 @@ class Agent:
                 rejected += 1
                 fd = source_fd(frame)
                 if fd is not None and fd not in seen:
-                    seen.add(fd)
-                    dropped += shutdown_fd(fd, endpoint)
+                    seen.add(fd)  # dropped only if proven to be the sender (see Gate.drop)
+                    dropped += self.gate.drop(endpoint, fd, _peer_address(frame))
             if not budget.spend(len(data)):
+                emptied = False
                 break
+        self.gate.drained(endpoint, mark, emptied)
         if rejected:
             with self.shared.lock:
                 self.role.counters["rejected"] += rejected
@@ -712,3 +750,11 @@ class Agent:
     def _count(self, what: str) -> None:
         with self.shared.lock:
             self.role.counters[what] += 1
+
+
+def _peer_address(frame: zmq.Frame) -> str:
+    """libzmq's Peer-Address of the connection a frame came in on ("" if none)."""
+    try:
+        return str(frame.get("Peer-Address"))
+    except zmq.ZMQError:
+        return ""

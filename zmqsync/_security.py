@@ -3,9 +3,10 @@
 On one host the runtime dir's permissions (0700) decide who can reach an ipc:// socket,
 and a loopback tcp:// address is reachable only from this host's network namespace. A
 tcp:// address on any other interface is reachable by the network, so it requires CURVE
-(encryption plus an allowlist of client public keys, checked through ZAP) unless the
-caller passes ``insecure=True`` explicitly. An unauthorized client gets no handshake, no
-events, and its messages never reach the publisher's code.
+(encryption plus an allowlist of client public keys, checked through ZAP by the
+publisher's `Gate`) unless the caller passes ``insecure=True`` explicitly. An
+unauthorized client gets no handshake, no events, and its messages never reach the
+publisher's code.
 
 Keys are Z85 text (40 characters), as made by `curve_keypair()`.
 
@@ -14,8 +15,7 @@ pair and one client key pair for the bus, and writes the client's keys to
 ``<runtime dir>/<name>.curve`` (0600; 0640 with the bus's group). A subscriber, `zmqsync
 inspect` or `sniff` for that name finds the file there and uses it; whoever cannot read
 the runtime dir cannot join. The publisher removes the file when it closes (and one left
-by a killed publisher when the next one starts without CURVE). Each start makes new
-keys, so a subscriber given none reads them again for every connection (`found_keys`).
+by a killed publisher when the next one starts without CURVE).
 """
 
 from __future__ import annotations
@@ -23,29 +23,25 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import json
-import logging
 import os
 import tempfile
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import zmq
+from zmq.utils import z85
 
 __all__ = [
     "CurveClient",
     "CurveServer",
-    "Authenticator",
     "client_from_env",
     "client_keys_path",
     "curve_keypair",
     "forget_keys",
-    "found_keys",
     "is_loopback",
     "issue_keys",
     "require_security",
 ]
-
-log = logging.getLogger(__name__)
 
 ZAP_DOMAIN = "zmqsync"
 
@@ -83,9 +79,16 @@ class CurveServer:
 
     def apply(self, sock: zmq.Socket[bytes]) -> None:
         sock.zap_domain = ZAP_DOMAIN.encode()
+        # Without a ZAP handler libzmq would let every key in ("Stonehouse"): enforced,
+        # a handshake then fails instead (while the publisher opens or closes).
+        sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
         sock.curve_secretkey = _key(self.secret)
         sock.curve_publickey = _key(self.public)
         sock.curve_server = True
+
+    def allows(self, key: bytes) -> bool:
+        """Whether a client's public key (32 bytes, as ZAP gives it) may connect."""
+        return len(key) == 32 and z85.encode(key).decode() in self.allowed_clients
 
 
 @dataclass(frozen=True)
@@ -121,29 +124,6 @@ def client_from_env(name: str | None = None) -> CurveClient | None:
     with open(path) as f:
         keys = json.load(f)
     return CurveClient(keys["server_public"], keys["public"], keys["secret"])
-
-
-def found_keys(name: str) -> Callable[[zmq.Socket[bytes]], None]:
-    """CURVE options for each socket of a subscriber of bus `name` given no keys: those
-    `client_from_env` finds when the socket is made, if any.
-
-    Read again for every socket, not once: a ``curve=True`` publisher makes new keys
-    each time it starts, so a worker that started before it, or outlives its restart,
-    must use the keys there are now. Without keys (a bus without CURVE, or a file not
-    written yet) the socket connects without CURVE, and a CURVE publisher does not answer
-    it: the handshake's next attempt reads the keys again.
-    """
-
-    def apply(sock: zmq.Socket[bytes]) -> None:
-        try:
-            keys = client_from_env(name)
-        except FileNotFoundError as exc:  # $ZMQSYNC_CURVE_CLIENT names a file not there yet
-            log.info("no CURVE keys at %s yet: connecting without", exc.filename)
-            return
-        if keys is not None:
-            keys.apply(sock)
-
-    return apply
 
 
 def client_keys_path(name: str) -> str:
@@ -201,41 +181,3 @@ def require_security(address: str, curve: CurveServer | None, insecure: bool) ->
             "(see docs/security.md), use a loopback or ipc:// address, or pass insecure=True "
             "to accept unauthenticated clients knowingly"
         )
-
-
-class _Allowlist:
-    def __init__(self, keys: frozenset[str]) -> None:
-        self.keys = {k.encode() for k in keys}
-
-    def callback(self, domain: str, key: bytes) -> bool:
-        return key in self.keys
-
-
-class Authenticator:
-    """pyzmq's ZAP thread, answering with the publisher's allowlist and no User-Id.
-
-    The User-Id is left empty because libzmq mishandles it. Given one, libzmq queues a
-    credential message at the head of each new connection's receive pipe. The writer
-    counts it against the socket's RCVHWM, but the reader skips it without counting
-    (libzmq 4.3.5, ``pipe_t::read``). So one place of every CURVE connection's queue
-    is lost for good. The events socket queues one subscription per connection
-    (SUBSCRIPTION_RCVHWM = 1): no subscription ever got through, and no event reached
-    a CURVE subscriber. zmqsync never reads the User-Id; its allowlist is the ZAP
-    handler itself.
-    """
-
-    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], curve: CurveServer) -> None:
-        from zmq.auth.thread import ThreadAuthenticator
-
-        class _Anonymous(ThreadAuthenticator):
-            def curve_user_id(self, client_public_key: bytes) -> str:
-                return ""  # no credential message on the connection's pipe (see above)
-
-        self._auth = _Anonymous(ctx)
-        self._auth.start()
-        self._auth.configure_curve_callback(
-            ZAP_DOMAIN, credentials_provider=_Allowlist(curve.allowed_clients)
-        )
-
-    def stop(self) -> None:
-        self._auth.stop()

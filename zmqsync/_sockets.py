@@ -15,6 +15,7 @@ import errno
 import logging
 import os
 import socket
+import struct
 import time
 from collections.abc import Callable
 
@@ -38,8 +39,10 @@ __all__ = [
     "Secure",
     "bind",
     "connect",
+    "duplicate",
+    "shut_down",
+    "socket_peer",
     "source_fd",
-    "shutdown_fd",
     "post",
     "protect_ipc",
     "readable",
@@ -166,8 +169,8 @@ class Drain:
 def source_fd(frame: zmq.Frame) -> int | None:
     """The descriptor of the connection `frame` came in on (its metadata), if known.
 
-    libzmq has no call to disconnect one peer of a bound socket; this and `shutdown_fd`
-    do it. None for frames libzmq made itself.
+    libzmq has no call to disconnect one peer of a bound socket; this, `duplicate` and
+    `shut_down` do it (see `Gate.drop`). None for frames libzmq made itself.
     """
     try:
         return int(frame.get(zmq.SRCFD))
@@ -175,26 +178,48 @@ def source_fd(frame: zmq.Frame) -> int | None:
         return None
 
 
-def shutdown_fd(fd: int, local: str) -> bool:
-    """Shut down the connection on descriptor `fd` of the socket bound at `local`.
-
-    libzmq then sees the peer leave and frees everything the peer made it hold. The
-    descriptor may have been closed and reused since libzmq reported it: only a
-    connection accepted on `local` is shut down, never another file or socket of the
-    process.
-    """
+def duplicate(fd: int) -> socket.socket | None:
+    """A socket object on a duplicate of descriptor `fd`; None if `fd` is closed or not
+    a socket. The duplicate keeps that connection open (and its number taken) however
+    libzmq goes on with `fd`: what is checked on it and what is done to it concern one
+    connection, even if libzmq closes `fd` meanwhile and the number is reused."""
     try:
-        sock = socket.socket(fileno=os.dup(fd))
-    except OSError:  # closed meanwhile, or not a socket any more
-        return False
-    with sock:
-        try:
-            if not _is_local(sock.getsockname(), local):
-                return False
-            sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
+        dup = os.dup(fd)
+    except OSError:
+        return None
+    try:
+        return socket.socket(fileno=dup)
+    except OSError:  # not a socket
+        os.close(dup)
+        return None
+
+
+def shut_down(sock: socket.socket, local: str) -> bool:
+    """Shut down the connection `sock` holds, if it was accepted on the socket bound at
+    `local` (never another file or socket of the process); libzmq then sees the peer
+    leave and frees everything the peer made it hold."""
+    try:
+        if not _is_local(sock.getsockname(), local):
             return False
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        return False
     return True
+
+
+def socket_peer(sock: socket.socket) -> str:
+    """The peer of a connection, named as `_admission.peer_of` names it: ``pid N`` for a
+    unix socket (SO_PEERCRED), the source IP address for tcp; ``?`` if unknown."""
+    try:
+        if sock.family == socket.AF_UNIX:
+            creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+            return f"pid {_UCRED.unpack(creds)[0]}"
+        return str(sock.getpeername()[0])
+    except OSError:
+        return "?"
+
+
+_UCRED = struct.Struct("=iII")  # struct ucred: pid, uid, gid
 
 
 def _is_local(name: object, endpoint: str) -> bool:

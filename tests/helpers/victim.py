@@ -41,6 +41,7 @@ def main() -> int:
     p.add_argument("--max-workers", type=int, default=1024)
     p.add_argument("--handshake-rate", type=float, default=200.0)
     p.add_argument("--tap", action="store_true")
+    p.add_argument("--curve", action="store_true", help="curve=True (keys in the runtime dir)")
     p.add_argument("--no-publish", action="store_true")
     args = p.parse_args()
     cap = args.data_mb * 2**20
@@ -64,6 +65,7 @@ def main() -> int:
         max_workers=args.max_workers,
         handshake_rate=args.handshake_rate,
         tap=args.tap,
+        curve=True if args.curve else None,
         insecure=True,
     )
     with pub:
