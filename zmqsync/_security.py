@@ -15,7 +15,8 @@ pair and one client key pair for the bus, and writes the client's keys to
 ``<runtime dir>/<name>.curve`` (0600; 0640 with the bus's group). A subscriber, `zmqsync
 inspect` or `sniff` for that name finds the file there and uses it; whoever cannot read
 the runtime dir cannot join. The publisher removes the file when it closes (and one left
-by a killed publisher when the next one starts without CURVE).
+by a killed publisher when the next one starts without CURVE). Each start makes new
+keys, so a subscriber given none reads them again for every connection (`found_keys`).
 """
 
 from __future__ import annotations
@@ -23,9 +24,10 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import json
+import logging
 import os
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import zmq
@@ -38,10 +40,13 @@ __all__ = [
     "client_keys_path",
     "curve_keypair",
     "forget_keys",
+    "found_keys",
     "is_loopback",
     "issue_keys",
     "require_security",
 ]
+
+log = logging.getLogger(__name__)
 
 ZAP_DOMAIN = "zmqsync"
 
@@ -124,6 +129,29 @@ def client_from_env(name: str | None = None) -> CurveClient | None:
     with open(path) as f:
         keys = json.load(f)
     return CurveClient(keys["server_public"], keys["public"], keys["secret"])
+
+
+def found_keys(name: str) -> Callable[[zmq.Socket[bytes]], None]:
+    """CURVE options for each socket of a subscriber of bus `name` given no keys: those
+    `client_from_env` finds when the socket is made, if any.
+
+    Read again for every socket, not once: a ``curve=True`` publisher makes new keys
+    each time it starts, so a worker that started before it, or outlives its restart,
+    must use the keys there are now. Without keys (a bus without CURVE, or a file not
+    written yet) the socket connects without CURVE, and a CURVE publisher does not answer
+    it: the handshake's next attempt reads the keys again.
+    """
+
+    def apply(sock: zmq.Socket[bytes]) -> None:
+        try:
+            keys = client_from_env(name)
+        except FileNotFoundError as exc:  # $ZMQSYNC_CURVE_CLIENT names a file not there yet
+            log.info("no CURVE keys at %s yet: connecting without", exc.filename)
+            return
+        if keys is not None:
+            keys.apply(sock)
+
+    return apply
 
 
 def client_keys_path(name: str) -> str:
