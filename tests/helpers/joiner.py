@@ -29,11 +29,12 @@ def main() -> int:
 
     import zmqsync
 
+    # made before the start signal: its first construction imports what it needs
+    sub = zmqsync.Subscriber(args.address, name=args.name, timeout=args.timeout)
     print(json.dumps({"event": "ready"}), flush=True)
     while not os.path.exists(args.go):
         time.sleep(0.001)
     start = time.monotonic()
-    sub = zmqsync.Subscriber(args.address, name=args.name, timeout=args.timeout)
     try:
         sub.start()
     except zmqsync.ConnectTimeout as exc:
