@@ -85,13 +85,25 @@ A subscriber sends an empty `bus`. A non-empty `bus` must be the publisher's own
 answer is ERROR (a publisher that restarted has a new `bus`). The publisher also answers
 ERROR while it is closing. A worker id belongs to one live session: a HELLO with a
 `worker_id` whose session is still alive (heard from within six heartbeats) is answered
-ERROR `busy: worker id … is in use by a live worker …`, unless its `session` is that
-session, which proves the same process is re-joining (a subscriber retries "busy"
-answers until its deadline). When a HELLO replaces a member, the new one gets a new
-`session`, messages carrying the old one are ignored, and a STOP for the old session
-goes out on events (reason `replaced`). If the old session belonged to the same process,
-the slot it may still compute with stays protected until the new session acks or the old
-one goes silent.
+ERROR `busy: worker id … is in use by a live worker …`, unless it proves it comes from
+that session's process: by its `nonce` (a secret of 32 hex digits the subscriber draws
+once and sends, unchanged, in every HELLO), or by that `session`. The nonce lets a
+process re-join although the WELCOME of an earlier HELLO never reached it (its REQ gave
+up first): the session that HELLO registered is its own. A HELLO whose `nonce` belonged
+to a process that held the id before, while another process holds it now, is answered
+ERROR `taken: worker id … belongs to another process now …`: final, a subscriber stops
+re-joining and reports it. A subscriber retries "busy" answers until its deadline. When a
+HELLO replaces a member, the new one gets a new `session`, messages carrying the old one
+are ignored, and a STOP for the old session goes out on events (reason `replaced`). If
+the old session belonged to the same process, the slot it may still compute with stays
+protected until the new session acks or the old one goes silent. Acks count for the
+process a publish was meant for: an ACK under the same `worker_id` from another process
+does not satisfy a publish made before it joined.
+
+HELLOs for a live worker's id, for a full bus, or while closing are refused before the
+handshake budget is spent (`handshake_rate` per second, a burst of two seconds' worth);
+a HELLO refused for the budget (`busy: too many handshakes`) gets its `worker_id` a place
+in line, and the next handshakes go to the ids in line in the order they first asked.
 
 `transport` is what the worker asks for: `"cuda"` when it computes on a GPU (or has no
 model and sees one), else `"cpu"`. On a bus without CUDA buffers every worker reads the
@@ -155,7 +167,8 @@ already serves its `ipc://` address (it refuses to start if one answers).""",
     P.State: """\
 `workers[].last_seen` is seconds since that worker's last message, not a timestamp.
 `counters` includes publishes, handshakes, acks, stale, rejected, timeouts, evictions,
-lost, refused_ids, dropped_peers (a counter appears once it is non-zero), and always
+lost, refused_ids (HELLOs refused for a live worker's id), throttled (refused for the
+handshake budget), dropped_peers (a counter appears once it is non-zero), and always
 `connections` (open now) and `refused_connections` (closed by the publisher because the
 bus was full; see docs/security.md).""",
     P.Tap: """\
@@ -164,7 +177,8 @@ and STATE name its endpoint. Each TAP wraps one frame the publisher sent (`dir` 
 received (`dir` "in"), valid or not, so a sniffer decodes it with the same `decode` and
 sees rejected frames too (truncated to 4096 bytes). Handle bytes in a WELCOME are
 replaced by empty bytes, and every `session` (HELLO, WELCOME, ACK, HEARTBEAT, BYE, STOP)
-by a keyed hash of it: the same stand-in for the same session, worthless on the bus.
+and `nonce` (HELLO) by a keyed hash of it, as long as the secret: the same stand-in for
+the same secret, worthless on the bus.
 The tap socket has a small high-water mark and `XPUB_NODROP`: when a sniffer is slow or
 stopped the publisher's send fails at once and the frame is counted as `tap_dropped`;
 the bus never waits for a sniffer.""",

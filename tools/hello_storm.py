@@ -37,7 +37,7 @@ MAX_WINDOW = 16  # the control socket queues 16 requests per connection
 
 
 def _kind(frame: bytes) -> str:
-    """The kind of a reply: "welcome", or an ERROR's reason up to its first colon ("busy", "bus full", ...)."""
+    """The kind of a reply: "welcome", or an ERROR's reason up to its first colon."""
     try:
         reply = decode(frame)
     except Exception:  # noqa: BLE001 - a tool: count what it cannot read

@@ -12,6 +12,7 @@ States::
     NEW --welcome--> ACTIVE --silence, STOP, eviction, a new publisher--> LOST
                        ^                                                 |
                        +------welcome (a handshake tried once per beat)---+
+    LOST --a final refusal ("taken:")--> REFUSED
     any state --close--> CLOSED
 
 Invariants (the ZeroMQ Guide's Clone client, with liveness):
@@ -32,9 +33,15 @@ Invariants (the ZeroMQ Guide's Clone client, with liveness):
    when the publisher is silent for more than ``LOST_AFTER_BEATS`` heartbeats, on STOP
    for the bus (``stopped``) or for our session (evicted). LOST keeps the last whole
    version and asks for a handshake once per heartbeat. Every HELLO carries the session
-   held now: it proves to the publisher that a re-join comes from this same process.
+   held now and the worker's `nonce` (a secret drawn once per subscriber): they prove to
+   the publisher that a re-join comes from this same process, also when the WELCOME of
+   an earlier HELLO never arrived.
 6. **Heartbeats only while ACTIVE,** one per heartbeat interval.
-7. **CLOSED is final** and ignores everything.
+7. **A final refusal ends the re-joining.** A re-join refused with ``taken:`` (another
+   process holds the worker id now, see `Registry.claim`) makes the link REFUSED:
+   ``stopped``, the reason in ``refusal``, no session, no more handshakes. Any other
+   refusal (``busy:``, ``bus full``) is retried on the next beat.
+8. **CLOSED is final** and ignores everything.
 
 Threads: one thread drives a Link (the agent's). Other threads only read single
 attributes (`state`, `stopped`, `bus_id`, `session`, the counters).
@@ -51,6 +58,7 @@ from ._config import LOST_AFTER_BEATS
 from ._protocol import Bye, Heartbeat, Hello, Message, Receive, Stop, Welcome
 
 __all__ = [
+    "FINAL_REFUSAL",
     "Action",
     "Handshake",
     "Link",
@@ -63,6 +71,8 @@ __all__ = [
 ]
 
 _COUNTERS = ("rejected", "foreign", "gaps")
+# What a publisher's ERROR starts with when no later HELLO of this process can succeed.
+FINAL_REFUSAL = "taken:"
 
 
 class LinkState(enum.Enum):
@@ -75,6 +85,12 @@ class LinkState(enum.Enum):
     LOST = 2
     # CLOSED: final; nothing more is done or sent.
     CLOSED = 3
+    # REFUSED: a re-join was refused for good (the worker id belongs to another process
+    #          now): keep the last whole version, stopped, no more handshakes.
+    REFUSED = 4
+
+
+_QUIET = (LinkState.NEW, LinkState.CLOSED, LinkState.REFUSED)  # no beats, no handshakes
 
 
 # --- what a Link asks its owner to do ------------------------------------------------------
@@ -137,11 +153,16 @@ class Link:
         mode: "copy" or "alias" (in HELLO).
         counters: where to count ``rejected``, ``foreign`` and ``gaps`` (the keys are
             added if missing); None: a new dict.
+        nonce: the secret this worker sends in every HELLO (32 hex digits, drawn once by
+            its owner): proves to the publisher that each HELLO comes from this process.
     """
 
-    def __init__(self, worker_id: str, mode: str, counters: dict[str, int] | None = None) -> None:
+    def __init__(
+        self, worker_id: str, mode: str, counters: dict[str, int] | None = None, nonce: str = ""
+    ) -> None:
         self.worker_id = worker_id
         self.mode = mode
+        self.nonce = nonce
         self.state = LinkState.NEW
         self.bus_id = ""  # of the WELCOME adopted last
         self.session = ""  # ours on that bus: proves a re-join, echoed in ACK/HEARTBEAT/BYE
@@ -150,7 +171,8 @@ class Link:
         self.heartbeat = 0.5  # interval, seconds (the publisher's)
         self.last_heard = 0.0  # when a message of our bus last arrived
         self.next_tick = 0.0  # `tick` has nothing to do before this
-        self.stopped = False  # the publisher closed the bus (until a WELCOME)
+        self.stopped = False  # the publisher closed the bus (until a WELCOME), or refused us
+        self.refusal = ""  # REFUSED: the publisher's reason
         self.counters = counters if counters is not None else {}
         for key in _COUNTERS:
             self.counters.setdefault(key, 0)
@@ -162,8 +184,20 @@ class Link:
     # --- handshake -------------------------------------------------------------------------
 
     def hello(self, pid: int, host: str, transport: str, note: str) -> Hello:
-        """The HELLO to send now, with the session held now ("" before the first WELCOME)."""
-        return Hello("", self.worker_id, pid, host, self.mode, transport, note, self.session)
+        """The HELLO to send now: the session held now ("" before the first WELCOME) and
+        the nonce, the same in every HELLO."""
+        return Hello(
+            "", self.worker_id, pid, host, self.mode, transport, note, self.session, self.nonce
+        )
+
+    def refused(self, reason: str) -> Stopped | None:
+        """A handshake was refused with `reason`. Stopped when that is final (a re-join
+        told ``taken:``): the link is REFUSED, holds no session and asks for no more
+        handshakes. None otherwise: the next beat tries again (or start() reports it)."""
+        if self.state is not LinkState.LOST or not reason.startswith(FINAL_REFUSAL):
+            return None
+        self.state, self.stopped, self.refusal, self.session = LinkState.REFUSED, True, reason, ""
+        return Stopped(reason)
 
     def fallback_hello(self, hello: Hello, welcome: Welcome, transport: str, note: str) -> Hello:
         """A second HELLO registering another transport (the CUDA buffer `welcome` offered
@@ -266,7 +300,7 @@ class Link:
     def tick(self, now: float, version: int) -> tuple[Heartbeat | Lost | Handshake, ...]:
         """What is due at `now` (nothing before `next_tick`); `version` is the one the
         worker computes with, for its HEARTBEAT."""
-        if now < self.next_tick or self.state in (LinkState.NEW, LinkState.CLOSED):
+        if now < self.next_tick or self.state in _QUIET:
             return ()
         self.next_tick = now + self.heartbeat
         if self.state is LinkState.LOST:

@@ -477,19 +477,29 @@ class Agent:
             self._mirror("out", peer, frame)
 
     def _redacted(self, msg: Message, frame: bytes) -> bytes:
-        """`frame` as a sniffer may see it: sessions replaced by a keyed hash.
+        """`frame` as a sniffer may see it: sessions and nonces replaced by a keyed hash.
 
         A session is a worker's capability: whoever knows it can ACK (or BYE) as that
-        worker, or re-join in its place. The tap shows the same stand-in for the same
-        session, so a capture still tells one session's messages apart from another's.
+        worker, or re-join in its place; a HELLO's nonce proves a worker's process, so
+        whoever knows it can take that worker's place too. The tap shows the same
+        stand-in for the same secret, so a capture still tells one session's (or one
+        process's) messages apart from another's.
         """
         session = getattr(msg, "session", None)
         if session is None:  # a message without a session field is shown as it is
             return frame
-        if session:
-            session = hashlib.blake2b(session.encode(), key=self._tap_key, digest_size=8)
-            session = session.hexdigest()
-        return encode(dataclasses.replace(cast(Any, msg), session=session))
+        secrets_of = {"session": self._stand_in(session)}
+        if isinstance(msg, Hello):
+            secrets_of["nonce"] = self._stand_in(msg.nonce)
+        return encode(dataclasses.replace(cast(Any, msg), **secrets_of))
+
+    def _stand_in(self, secret: str) -> str:
+        """A keyed hash of `secret` ("" stays ""), in hex as long as the secret (so the
+        redacted message still passes the field's check)."""
+        if not secret:
+            return ""
+        size = max(1, len(secret) // 2)
+        return hashlib.blake2b(secret.encode(), key=self._tap_key, digest_size=size).hexdigest()
 
     def _mirror(self, direction: str, peer: str, frame: bytes) -> None:
         """Copy a frame to the tap, if open; never blocks (drops are counted)."""

@@ -4,11 +4,14 @@ Like h11's `Connection`, `PublisherRole` knows every rule and touches no socket,
 clock: the agent thread decodes what arrives, hands it over with `now`, and sends what
 comes back. The rules, in the order a worker meets them:
 
-* **Admission** (`admit`): no HELLO while closing; HELLOs beyond `handshake_rate` per
-  second (a burst of two seconds' worth) get ``busy:`` (retried by real subscribers);
-  a new worker id beyond `max_workers`, or beyond what the connection budget allows,
-  gets ``bus full``; a worker id whose session is alive gets ``busy:`` unless the
-  HELLO proves it is that session's process (see `Registry.claim`).
+* **Admission** (`admit`): no HELLO while closing; a worker id whose session is alive
+  gets ``busy:`` unless the HELLO proves it is that session's process, or ``taken:`` if
+  it comes from a process that held the id before (see `Registry.claim`); a new worker
+  id beyond `max_workers`, or beyond what the connection budget allows, gets ``bus
+  full``. Only then is a handshake token spent: beyond `handshake_rate` per second the
+  HELLO gets ``busy:`` (retried by real subscribers) and its id a place in line (see
+  `HandshakeQueue`). Refusals that cost nothing more than their answer come first, so
+  a flood of them never spends the budget honest workers need.
 * **Welcome** (`welcome`): a new session, the member registered at the latest version,
   a WELCOME naming the endpoints, buffers and manifest; the session it replaces (if
   any) is told STOP, under the next event seq.
@@ -30,6 +33,7 @@ import secrets
 from collections import Counter
 from collections.abc import Callable, Iterable
 
+from ._admission import HandshakeQueue
 from ._buffers.transport import registered
 from ._config import LOST_AFTER_BEATS
 from ._errors import ProtocolError
@@ -89,7 +93,7 @@ class PublisherRole:
         self.cuda = False  # some tensors live in CUDA buffers (set once they exist)
         self.closing = False
         self._new_session = new_session
-        self._tokens, self._tokens_at = 2 * handshake_rate, now
+        self.queue = HandshakeQueue(handshake_rate, now, places=max(max_workers, 64))
         self._notes: dict[str, tuple[str, str]] = {}  # worker id -> (session, transport note)
 
     @property
@@ -114,14 +118,9 @@ class PublisherRole:
         """
         if self.closing:
             raise ProtocolError("the publisher is closing")
-        self._tokens = min(
-            2 * self.handshake_rate, self._tokens + (now - self._tokens_at) * self.handshake_rate
-        )
-        self._tokens_at = now
-        if self._tokens < 1:
-            self.counters["throttled"] += 1
-            raise ProtocolError("busy: too many handshakes, retry later")
-        self._tokens -= 1
+        if refusal := self.registry.claim(hello, now, self.silent_after):
+            self.counters["refused_ids"] += 1
+            raise ProtocolError(refusal)  # "busy:" is retried: the holder may go silent
         known = hello.worker_id in self.registry.members
         if not known and len(self.registry.members) >= self.max_workers:
             raise ProtocolError(f"bus full: {self.max_workers} workers (max_workers)")
@@ -130,6 +129,9 @@ class PublisherRole:
                 "bus full: no room for more connections under the publisher's file "
                 "descriptor limit; raise its `ulimit -n`"
             )
+        if not self.queue.take(hello.worker_id, now):
+            self.counters["throttled"] += 1
+            raise ProtocolError("busy: too many handshakes, retry later")
         transport, note = registered(hello.transport, hello.transport_note, self.cuda)
         return dataclasses.replace(hello, transport=transport, transport_note=note)
 
@@ -138,11 +140,12 @@ class PublisherRole:
         it replaced (tell that session with `stop_for(old.session, "replaced")`).
 
         Raises:
-            ProtocolError: ``busy:`` the worker id belongs to a live session.
+            ProtocolError: the worker id belongs to a live session of another process
+                now (``busy:`` or ``taken:``, see `Registry.claim`).
         """
         if refusal := self.registry.claim(hello, now, self.silent_after):
             self.counters["refused_ids"] += 1
-            raise ProtocolError(f"busy: {refusal}")  # retried: it may go silent
+            raise ProtocolError(refusal)
         session = self._new_session()
         old = self.registry.members.get(hello.worker_id)
         self.registry.join(hello, session, now)

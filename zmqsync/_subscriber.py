@@ -39,6 +39,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import secrets
 import socket
 import threading
 import time
@@ -96,6 +97,13 @@ log = logging.getLogger(__name__)
 _APPLY_ATTEMPTS = 100
 _WAKE = b"\x01"  # from the subscriber's own inproc PUB: look at the flags (never a message)
 _WAIT_CAP_S = 0.1
+# A re-join's deadline: two heartbeats, but at least REJOIN_MIN_S (a handshake on a
+# loaded host takes longer than two short beats) and at most REJOIN_MAX_S (close() waits
+# THREAD_JOIN_S for the agent, which cannot be woken inside the handshake).
+REJOIN_MIN_S = 2.0
+REJOIN_MAX_S = 4.0
+# The first turn of the wait for a subscription's confirmation (then a new connection).
+SUBSCRIBE_TURN_S = 1.0
 _NEVER = 1 << 63  # above any version: nobody waits for one
 _P = ParamSpec("_P")
 _A = TypeVar("_A")
@@ -240,8 +248,10 @@ class Subscriber:
             "foreign": 0,
             "gaps": 0,
         }
-        # Driven by the agent thread only (from start()); this thread reads its state.
-        self._link = Link(self.worker_id, mode, self.counters)
+        # Driven by the agent thread only (from start()); this thread reads its state. The
+        # nonce, drawn once, proves to the publisher that every HELLO of this Subscriber
+        # comes from the same process (see `Registry.claim`); the tap never shows it.
+        self._link = Link(self.worker_id, mode, self.counters, nonce=secrets.token_hex(16))
 
     # --- lifecycle -----------------------------------------------------------------
 
@@ -345,8 +355,22 @@ class Subscriber:
 
     @property
     def stopped(self) -> bool:
-        """True after the publisher closed the bus (until a new publisher answers)."""
+        """True after the publisher closed the bus (until a new publisher answers), and
+        for good once it refused this worker (see `refusal`)."""
         return self._link.stopped
+
+    @property
+    def refusal(self) -> str:
+        """Why the publisher refused this worker for good, or "" (it has not).
+
+        A worker paused (or starved of CPU) for longer than the publisher waits for a
+        silent one loses its worker id, and another process may take it (a supervisor
+        that restarted "the same" worker, or a second process with the same fixed id).
+        When this one comes back, the publisher says so (``taken: worker id ... belongs
+        to another process now ...``): from then on this Subscriber is `stopped`, keeps
+        its last version, and its waits raise ProtocolError with that reason.
+        """
+        return self._link.refusal
 
     @property
     def weights(self) -> Any:
@@ -371,6 +395,9 @@ class Subscriber:
 
         Args:
             timeout: how long to wait for a version to arrive (0: do not wait).
+
+        Raises:
+            ProtocolError: the publisher refused this worker for good (see `refusal`).
         """
         self._check_usable()
         if self.apply != "manual":
@@ -394,6 +421,10 @@ class Subscriber:
         """Block until `version` (or newer) is applied; False if the deadline passed.
 
         In manual mode this applies pending versions itself (it is a safe point).
+
+        Raises:
+            ProtocolError: the publisher refused this worker for good (see `refusal`):
+                no version will come.
         """
         if self._version >= version:  # first: a thread that waits for each next version
             return True  # comes here once per version, with cold caches
@@ -463,6 +494,11 @@ class Subscriber:
     def _check_usable(self) -> None:
         if self._failure is not None:
             raise ZmqSyncError(f"subscriber agent failed: {self._failure!r}") from self._failure
+        if refusal := self._link.refusal:
+            raise ProtocolError(
+                f"worker {self.worker_id!r} was refused by the publisher at {self.address}: "
+                f"{printable(refusal)}"
+            )
         if self._closed or self._link.state is LinkState.NEW:
             state = "closed" if self._closed else "not started"
             raise ClosedError(f"Subscriber {self.name!r} is {state}")
@@ -989,6 +1025,9 @@ class _Agent:
                 break
             time.sleep(0.05)
         if isinstance(reply, Error):
+            final = self.link.refused(reply.reason)
+            if final is not None:
+                self._give_up(final)
             raise ProtocolError(f"the publisher at {address} refused us: {reply.reason}")
         if not isinstance(reply, Welcome):
             raise ProtocolError(f"expected WELCOME, got {reply.TYPE}")
@@ -998,7 +1037,29 @@ class _Agent:
         return reply
 
     def _subscribe(self, endpoint: str, deadline: Deadline, heartbeat: float) -> None:
-        """Connect SUB and wait until the publisher confirms the subscription is live."""
+        """Connect SUB and wait until the publisher confirms the subscription is live.
+
+        The wait is in turns (SUBSCRIBE_TURN_S or two beats, doubling each turn): a
+        connection whose confirmation has not come by the end of a turn is replaced by a
+        new one, rather than waited on for the whole deadline (on a saturated host a
+        worker once waited its whole timeout on one that never confirmed).
+        """
+        turn = max(SUBSCRIBE_TURN_S, 2 * heartbeat)
+        while True:
+            events = self._connect_events(endpoint, heartbeat)
+            this_turn = Deadline(deadline.wait_s(turn))
+            while events.poll(this_turn.poll_ms(cap_s=self.port.timeout)) & zmq.POLLIN:
+                if events.recv() == XPUB_WELCOME:
+                    return
+            if deadline.expired():
+                raise ConnectTimeout(f"no subscription confirmation from {endpoint} in time")
+            log.debug(
+                "no subscription confirmation from %s in %.1f s: reconnecting", endpoint, turn
+            )
+            turn *= 2
+
+    def _connect_events(self, endpoint: str, heartbeat: float) -> zmq.Socket[bytes]:
+        """A new SUB on `endpoint` (and on the wake-up pipe), replacing the one there was."""
         if self.events is not None:
             self.events.close()
         self.events = connect(
@@ -1010,10 +1071,7 @@ class _Agent:
         # The loop's longest wait: a fraction of a beat, and short enough that a lost
         # wake-up frame still lets close() finish soon.
         self.events.rcvtimeo = max(1, int(min(heartbeat / 2, _WAIT_CAP_S) * 1000))
-        while self.events.poll(deadline.poll_ms(cap_s=self.port.timeout)) & zmq.POLLIN:
-            if self.events.recv() == XPUB_WELCOME:
-                return
-        raise ConnectTimeout(f"no subscription confirmation from {endpoint} in time")
+        return self.events
 
     def _loop(self) -> None:
         # One blocking recv() on the SUB socket, not a poller over several sockets: a
@@ -1124,9 +1182,18 @@ class _Agent:
             self._rejoin()
 
     def _rejoin(self) -> None:
-        """LOST: one short handshake attempt (the Link asks once per beat)."""
+        """LOST: one handshake attempt (the Link asks once per beat).
+
+        Its deadline has a floor independent of the heartbeat: on a loaded host a
+        handshake (a WELCOME of thousands of tensors decoded, the buffers mapped, the
+        subscription confirmed) takes longer than two beats of a short heartbeat, and a
+        re-join that must fit in one would never converge. An attempt cut short costs
+        nothing but time: the next HELLO carries the same nonce, so the session the
+        publisher registered for the one given up on never stands in its way.
+        """
+        heartbeat = self.link.heartbeat
         try:
-            self._handshake(Deadline(self.link.heartbeat * 2), attempts=1)
+            self._handshake(Deadline(min(max(heartbeat * 2, REJOIN_MIN_S), REJOIN_MAX_S)), 1)
             log.info(
                 "subscriber %s re-joined %s at version %d",
                 self.link.worker_id,
@@ -1138,6 +1205,17 @@ class _Agent:
             # killed and the next one's start collected it. The next attempt gets the
             # new publisher's WELCOME; giving up here would strand the worker for good.
             log.debug("re-handshake failed: %s", printable(exc))
+
+    def _give_up(self, refused: Stopped) -> None:
+        """A final refusal (the Link is REFUSED): close the bus's sockets, wake waiters."""
+        log.warning("subscriber %s stops: %s", self.link.worker_id, printable(refused.reason))
+        self._follower = None
+        with self._send_lock:
+            for sock in (self.events, self.acks):
+                if sock is not None:
+                    sock.close()
+            self.events = self.acks = None
+        self._do(refused)
 
     def _ack(self, version: int) -> None:
         """ACK from a template: bus and session change only on a re-join (the worker id
