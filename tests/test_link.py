@@ -97,6 +97,17 @@ def test_the_first_hello_carries_no_session():
     )
 
 
+def test_every_hello_carries_the_same_nonce():
+    nonce = "0123456789abcdef" * 2
+    link = Link("w0", "copy", nonce=nonce)
+    first = link.hello(42, "host", "cpu", "")
+    assert first == Hello("", "w0", 42, "host", "copy", "cpu", "", "", nonce)
+    assert link.fallback_hello(first, welcome(), "cpu", "no GPU").nonce == nonce
+    link.welcome(welcome(), 0.0, latest=None)
+    lost_by_silence(link)
+    assert link.hello(42, "host", "cpu", "").nonce == nonce, "a re-join proves the process"
+
+
 def test_welcome_makes_the_link_active_on_its_bus():
     link = Link("w0", "alias")
     offer = link.welcome(welcome(heartbeat=0.25, seq=7), now=2.0, latest=None)
@@ -336,6 +347,31 @@ def test_lost_tries_a_handshake_once_per_heartbeat():
     assert link.tick(at + 5 * HB + 0.25, 3) == ()
     link.welcome(welcome(), at + 6 * HB, latest=None)
     assert link.tick(at + 6 * HB, 3) == (beat(),), "active again"
+
+
+def test_a_rejoin_told_taken_stops_the_link_for_good():
+    link = active()
+    at = lost_by_silence(link)
+    assert link.tick(at + HB, 3) == (Handshake(),)
+    assert link.refused("busy: worker id 'w0' is in use by a live worker (pid 9)") is None
+    assert link.refused("bus full: 4 workers (max_workers)") is None
+    assert link.state is LinkState.LOST and not link.stopped, "tried again next beat"
+    assert link.tick(at + 2 * HB, 3) == (Handshake(),)
+    reason = "taken: worker id 'w0' belongs to another process now (pid 9)"
+    assert link.refused(reason) == Stopped(reason)
+    assert link.state is LinkState.REFUSED and not link.connected
+    assert (link.stopped, link.refusal, link.session) == (True, reason, "")
+    assert link.tick(at + 3 * HB, 3) == () and link.tick(at + 30 * HB, 3) == ()
+    assert link.close() is None, "no session to say BYE with"
+
+
+def test_a_refusal_is_final_only_for_a_rejoin():
+    link = Link("w0", "copy")  # start(): the refusal is raised to the user instead
+    assert link.refused("taken: worker id 'w0' belongs to another process now") is None
+    assert link.state is LinkState.NEW
+    link = active()
+    assert link.refused("taken: ...") is None, "an active link is not re-joining"
+    assert link.state is LinkState.ACTIVE
 
 
 # --- the end --------------------------------------------------------------------------------

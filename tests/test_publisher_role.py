@@ -51,8 +51,8 @@ def role(**options) -> PublisherRole:
     return r
 
 
-def hello(worker_id: str = "w", session: str = "", mode: str = "copy") -> Hello:
-    return Hello("", worker_id, 7, "host", mode, "cpu", "", session)
+def hello(worker_id: str = "w", session: str = "", mode: str = "copy", nonce: str = "") -> Hello:
+    return Hello("", worker_id, 7, "host", mode, "cpu", "", session, nonce)
 
 
 def join(r: PublisherRole, worker_id: str = "w", now: float = 0.0, **kw):
@@ -88,6 +88,50 @@ def test_handshakes_beyond_the_rate_are_busy_then_allowed_again():
         r.admit(hello("w4"), 0.0)
     assert r.counters["throttled"] == 1
     join(r, "w4", now=0.5)  # one token back after half a second
+
+
+def test_refusals_that_cost_nothing_spend_no_handshake_token():
+    r = role(handshake_rate=2.0, max_workers=2)  # a burst of 4
+    join(r, "live", now=0.0)
+    for _ in range(1000):  # a storm for a live worker's id
+        with pytest.raises(ProtocolError, match="busy: worker id 'live' is in use"):
+            r.admit(hello("live"), 0.0)
+    join(r, "b", now=0.0)
+    for _ in range(1000):  # a storm of new ids on a full bus
+        with pytest.raises(ProtocolError, match="bus full"):
+            r.admit(hello("new"), 0.0)
+    assert (r.counters["refused_ids"], r.counters["throttled"]) == (1000, 0)
+    assert r.queue.take("x", 0.0) and r.queue.take("y", 0.0), "two of four tokens left"
+
+
+def test_a_throttled_worker_keeps_its_place_in_line():
+    r = role(handshake_rate=2.0)  # a burst of 4, then one token every 0.5 s
+    for i in range(4):
+        join(r, f"w{i}", now=0.0)
+    with pytest.raises(ProtocolError, match="busy: too many handshakes"):
+        r.admit(hello("first"), 0.0)
+    with pytest.raises(ProtocolError, match="busy: too many handshakes"):
+        r.admit(hello("second"), 0.25)
+    with pytest.raises(ProtocolError, match="busy: too many handshakes"):
+        r.admit(hello("second"), 0.5)  # the token at 0.5 is first's
+    join(r, "first", now=0.5)
+    join(r, "second", now=1.0)
+    assert r.counters["throttled"] == 3
+
+
+def test_a_process_re_joins_by_its_nonce_and_a_former_holder_is_told_taken():
+    r = role()
+    lost, _ = join(r, "w", now=0.0, nonce="a" * 32)  # its WELCOME never arrived
+    again, replaced = join(r, "w", now=0.5, nonce="a" * 32)
+    assert replaced is not None and replaced.session == lost.session
+    assert lost.session in r.registry.displaced
+    assert again.session != lost.session
+    for member in r.drop_silent(now=4.0):
+        r.stop_for(member.session, "silent too long")
+    join(r, "w", now=4.0, nonce="b" * 32)  # another process takes the silent id
+    with pytest.raises(ProtocolError, match="taken: worker id 'w' belongs to another process"):
+        r.admit(hello("w", session=again.session, nonce="a" * 32), 4.5)
+    assert r.counters["refused_ids"] == 1
 
 
 def test_a_full_bus_refuses_new_ids_and_still_welcomes_known_ones():
