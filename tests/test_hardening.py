@@ -538,6 +538,15 @@ def test_a_silent_sessions_id_may_be_taken_and_the_old_session_is_told(ctx, name
         first = request(
             ctx, pub.address, Hello("", "q", 1, "h", "copy", "cpu"), deadline=Deadline(5)
         )
+        acks = ctx.socket(zmq.PUSH)
+        acks.linger = 0
+        acks.connect(first.acks)
+        acks.send(encode(Ack(pub.bus_id, "q", first.session, 0)))  # its first word
+        end = time.monotonic() + 5
+        while pub.workers["q"].version < 0:
+            assert time.monotonic() < end
+            time.sleep(0.01)
+        acks.close()
         time.sleep(0.4)  # longer than 6 heartbeats of silence: its process is gone
         second = request(
             ctx, pub.address, Hello("", "q", 2, "h", "copy", "cpu"), deadline=Deadline(5)

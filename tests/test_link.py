@@ -163,11 +163,12 @@ def test_a_rejoin_adopts_the_new_welcome_and_clears_stopped():
 def test_a_rejoins_first_beat_is_at_most_one_new_heartbeat_away():
     link = active()
     at = lost_by_silence(link)
-    assert link.next_tick == at + HB
+    assert link.tick(at, 3) == (Handshake(),) and link.next_tick == at + HB
     link.welcome(welcome(heartbeat=0.125), at + 0.125, latest=None)
     assert link.next_tick == at + 0.25, "the new publisher's interval"
     link = active()
     at = lost_by_silence(link)
+    assert link.tick(at, 3) == (Handshake(),)
     link.welcome(welcome(heartbeat=4.0), at + 0.125, latest=None)
     assert link.next_tick == at + HB, "never later than the beat already due"
 
@@ -336,17 +337,25 @@ def test_any_message_of_our_bus_resets_the_silence():
     assert link.tick(4.0 + limit + HB, 3) == (beat(), Lost("publisher silent"))
 
 
-def test_lost_tries_a_handshake_once_per_heartbeat():
+def test_lost_tries_a_handshake_at_once_then_once_per_heartbeat():
     link = active()
     at = lost_by_silence(link)
-    assert link.tick(at + 0.25, 3) == ()
-    assert link.tick(at + HB, 3) == (Handshake(),)
-    assert link.tick(at + HB + 0.25, 3) == ()
-    assert link.tick(at + 2 * HB, 3) == (Handshake(),)
+    assert link.tick(at + 0.25, 3) == (Handshake(),), "at once: a beat may be long"
+    assert link.tick(at + 0.5, 3) == ()
+    assert link.tick(at + 0.25 + HB, 3) == (Handshake(),)
+    assert link.tick(at + 0.25 + HB + 0.25, 3) == ()
+    assert link.tick(at + 0.25 + 2 * HB, 3) == (Handshake(),)
     assert link.tick(at + 5 * HB, 3) == (Handshake(),), "late ticks do not pile up"
     assert link.tick(at + 5 * HB + 0.25, 3) == ()
     link.welcome(welcome(), at + 6 * HB, latest=None)
     assert link.tick(at + 6 * HB, 3) == (beat(),), "active again"
+
+
+def test_an_eviction_asks_for_a_handshake_at_once():
+    link = active()
+    assert link.tick(0.0, 3) == (beat(),) and link.next_tick == HB
+    assert link.on_event(Stop(BUS, 11, SESSION, "evicted"), 0.125) == Lost("evicted (evicted)")
+    assert link.tick(0.125, 3) == (Handshake(),)
 
 
 def test_a_rejoin_told_taken_stops_the_link_for_good():

@@ -11,7 +11,7 @@ States::
 
     NEW --welcome--> ACTIVE --silence, STOP, eviction, a new publisher--> LOST
                        ^                                                 |
-                       +------welcome (a handshake tried once per beat)---+
+                       +--welcome (a handshake at once, then once a beat)-+
     LOST --a final refusal ("taken:")--> REFUSED
     any state --close--> CLOSED
 
@@ -32,7 +32,9 @@ Invariants (the ZeroMQ Guide's Clone client, with liveness):
 5. **Liveness.** Any message of our bus is proof of life. An ACTIVE link becomes LOST
    when the publisher is silent for more than ``LOST_AFTER_BEATS`` heartbeats, on STOP
    for the bus (``stopped``) or for our session (evicted). LOST keeps the last whole
-   version and asks for a handshake once per heartbeat. Every HELLO carries the session
+   version and asks for a handshake at once, then once per heartbeat (a worker that
+   got CPU back after a long pause is back within a handshake, whatever the heartbeat).
+   Every HELLO carries the session
    held now and the worker's `nonce` (a secret drawn once per subscriber): they prove to
    the publisher that a re-join comes from this same process, also when the WELCOME of
    an earlier HELLO never arrived.
@@ -81,7 +83,7 @@ class LinkState(enum.Enum):
     # ACTIVE: a WELCOME adopted; events applied in seq order, heartbeats both ways.
     ACTIVE = 1
     # LOST: silence, STOP or eviction: keep the last whole version, report
-    #       connected == False, try a handshake once per heartbeat.
+    #       connected == False, try a handshake at once, then once per heartbeat.
     LOST = 2
     # CLOSED: final; nothing more is done or sent.
     CLOSED = 3
@@ -345,4 +347,5 @@ class Link:
         if self.state is not LinkState.ACTIVE:
             return None
         self.state = LinkState.LOST
+        self.next_tick = 0.0  # the first handshake at once: a beat may be long
         return Lost(reason)

@@ -18,7 +18,8 @@ comes back. The rules, in the order a worker meets them:
 * **Worker messages** (`on_worker_message`): ACK, HEARTBEAT and BYE count only with the
   sender's current session; anything else is counted and changes nothing.
 * **Liveness** (`tick`): a HEARTBEAT carrying the last event seq (gap detection for
-  subscribers), and a STOP for every worker silent for LOST_AFTER_BEATS heartbeats.
+  subscribers), and a STOP for every worker silent for LOST_AFTER_BEATS heartbeats (a
+  worker not heard from since its WELCOME: FIRST_WORD_S at least, for its handshake).
 * **Events** are numbered here (`seq`): whoever sends them holds the lock that orders
   the sends on the events socket, and takes the next number under it.
 
@@ -35,7 +36,7 @@ from collections.abc import Callable, Iterable
 
 from ._admission import HandshakeQueue
 from ._buffers.transport import registered
-from ._config import LOST_AFTER_BEATS
+from ._config import FIRST_WORD_S, LOST_AFTER_BEATS
 from ._errors import ProtocolError
 from ._protocol import (
     Ack,
@@ -86,7 +87,7 @@ class PublisherRole:
         self.heartbeat = heartbeat
         self.slot_bytes, self.manifest = slot_bytes, manifest
         self.max_workers, self.handshake_rate = max_workers, handshake_rate
-        self.registry = Registry(slots)
+        self.registry = Registry(slots, first_word_s=FIRST_WORD_S)
         self.counters: Counter[str] = Counter()
         self.seq = 0  # of the last event sent (RECEIVE or STOP)
         self.endpoints = Endpoints("", "", "", ())

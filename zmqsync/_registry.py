@@ -70,6 +70,7 @@ class Member:
     acked: int = -1
     last_seen: float = 0.0  # monotonic
     process: str = ""  # the HELLO's nonce, else the session: which process this is
+    heard: bool = False  # a message came from this session since its WELCOME
 
     def busy_with(self, version: int, latest: int) -> bool:
         """Whether this worker may be reading `version` now or (alias) computing with it:
@@ -84,7 +85,11 @@ class Member:
 class Registry:
     """Members, slot contents and the slot-choice rule."""
 
-    def __init__(self, slots: int) -> None:
+    def __init__(self, slots: int, first_word_s: float = 0.0) -> None:
+        # A member not heard from since its WELCOME counts as silent only after this
+        # long at least: its handshake (decoding the WELCOME, mapping, subscribing) may
+        # take longer than a few short beats on a loaded host.
+        self.first_word_s = first_word_s
         self.members: dict[str, Member] = {}
         self.displaced: dict[str, Member] = {}  # session -> replaced member (see above)
         self.slot_versions = [-1] * slots
@@ -106,7 +111,7 @@ class Registry:
         took it while this one was silent, and is alive).
         """
         old = self.members.get(hello.worker_id)
-        if old is None or _same_process(hello, old) or now - old.last_seen > silent_after:
+        if old is None or _same_process(hello, old) or self._silent(old, now, silent_after):
             return None
         if hello.nonce and hello.nonce in self.departed.get(hello.worker_id, ()):
             return (
@@ -160,7 +165,7 @@ class Registry:
         member = self.find(worker_id, session)
         if member is None or version > self.latest:
             return False
-        member.last_seen = now
+        member.last_seen, member.heard = now, True
         member.acked = max(member.acked, version)
         if self.displaced:  # the process computes with `version` now: it let go
             for old in [m for m in self.displaced.values() if m.worker_id == worker_id]:
@@ -170,7 +175,7 @@ class Registry:
     def seen(self, worker_id: str, session: str, now: float) -> bool:
         member = self.find(worker_id, session)
         if member is not None:
-            member.last_seen = now
+            member.last_seen, member.heard = now, True
         return member is not None
 
     def leave(self, worker_id: str, session: str) -> Member | None:
@@ -214,10 +219,16 @@ class Registry:
         return out
 
     def silent(self, now: float, limit_s: float) -> list[str]:
-        """Members silent for longer than `limit_s`; displaced ones that are go at once."""
+        """Members silent for longer than `limit_s` (one never heard from since its
+        WELCOME: `first_word_s` at least); displaced ones that are go at once."""
         for old in [m for m in self.displaced.values() if now - m.last_seen > limit_s]:
             del self.displaced[old.session]
-        return [w for w, m in self.members.items() if now - m.last_seen > limit_s]
+        return [w for w, m in self.members.items() if self._silent(m, now, limit_s)]
+
+    def _silent(self, member: Member, now: float, limit_s: float) -> bool:
+        if not member.heard:
+            limit_s = max(limit_s, self.first_word_s)
+        return now - member.last_seen > limit_s
 
     # --- versions and slots ---
 

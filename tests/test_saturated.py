@@ -1,0 +1,136 @@
+"""Joins and re-joins on a saturated host: CPU-bound processes on every core, as on our
+users' machines. A peer dropped as silent gets back in by itself within a few beats of
+getting CPU again, whatever the heartbeat; joins converge once the host has CPU.
+
+Bounded: the burners end by themselves (and are killed at teardown), every wait has a
+deadline, and the figures each test saw are printed (pytest -s shows them).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+import pytest
+import torch
+
+import zmqsync
+
+from .conftest import ROOT, Proc
+
+HELPERS = ROOT / "tests" / "helpers"
+
+TENSORS = 2000  # the model of the reports: a handshake's WELCOME names every tensor
+
+
+@pytest.fixture
+def burners():
+    """start(n, seconds) -> the CPU-bound processes, each ending after `seconds`."""
+    procs: list[Proc] = []
+
+    def start(n: int, seconds: float) -> list[Proc]:
+        code = (
+            f"import time\nend = time.monotonic() + {seconds}\nwhile time.monotonic() < end: pass"
+        )
+        new = [Proc([sys.executable, "-c", code], dict(os.environ)) for _ in range(n)]
+        procs.extend(new)
+        return new
+
+    yield start
+    for proc in procs:
+        proc.kill()
+
+
+def _stop_burners(procs: list[Proc]) -> None:
+    for proc in procs:
+        proc.kill()
+
+
+def _model() -> dict[str, torch.Tensor]:
+    return {f"layer{i}.weight": torch.full((16,), float(i)) for i in range(TENSORS)}
+
+
+def _worker(spawn, name: str, wid: str) -> Proc:
+    return spawn(
+        "worker", "--name", name, "--mode", "alias", "--json", "--worker-id", wid,
+        "--timeout", "120",
+    )  # fmt: skip
+
+
+def _busy_worker(spawn, name: str, wid: str) -> Proc:
+    """A worker whose main thread never stops computing in Python (a collector's rollout)."""
+    return spawn(str(HELPERS / "busy_worker.py"), name, wid, "--timeout", "120", module="")
+
+
+def _acked(pub: zmqsync.Publisher, wid: str, version: int) -> bool:
+    info = pub.workers.get(wid)
+    return info is not None and info.version >= version
+
+
+def _acking_soon(pub: zmqsync.Publisher, ids: list[str], within: float) -> float:
+    """Seconds until every worker of `ids` acked a version published now (asserted)."""
+    t0 = time.monotonic()
+    version = pub.publish(wait=False).version
+    while not all(_acked(pub, w, version) for w in ids):
+        acking = sum(_acked(pub, w, version) for w in ids)
+        assert time.monotonic() - t0 < within, (
+            f"{acking} of {len(ids)} acking {within:.0f} s after; counters {pub.counters}"
+        )
+        time.sleep(0.02)
+    return time.monotonic() - t0
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("heartbeat", [0.1, 2.0])
+def test_a_worker_paused_past_liveness_is_back_within_a_few_beats(spawn, burners, name, heartbeat):
+    with zmqsync.Publisher(_model(), name=name, heartbeat=heartbeat, timeout=60) as pub:
+        worker = _busy_worker(spawn, name, "paused")
+        worker.wait_for(lambda r: r.get("event") == "joined", timeout=120)
+        hot = burners(6, 120)  # both cores busy from here on, three times over
+        worker.stop()
+        end = time.monotonic() + heartbeat * 6 + 30
+        while "paused" in pub.workers:
+            assert time.monotonic() < end, "the paused worker was never dropped"
+            time.sleep(min(heartbeat, 0.1))
+        version = pub.publish(wait=False).version  # while it is away
+        t0 = time.monotonic()
+        worker.proc.send_signal(signal.SIGCONT)
+        limit = max(10 * heartbeat, 1.5)  # a few beats (and a handshake on a busy host)
+        while not _acked(pub, "paused", version):
+            assert time.monotonic() - t0 < limit, (
+                f"not back within {limit:.1f} s at heartbeat {heartbeat} (counters {pub.counters})"
+            )
+            time.sleep(0.02)
+        back = time.monotonic() - t0
+        _stop_burners(hot)
+        print(f"heartbeat {heartbeat}: back and acking {back:.2f} s after SIGCONT", file=sys.stderr)
+        _acking_soon(pub, ["paused"], within=max(6 * heartbeat, 10.0))
+
+
+@pytest.mark.timeout(300)
+def test_joins_on_a_saturated_host_converge_once_it_has_cpu(spawn, burners, name):
+    n, hot_s = 12, 20.0
+    with zmqsync.Publisher(_model(), name=name, heartbeat=0.5, timeout=60) as pub:
+        hot = burners(6, hot_s)
+        t0 = time.monotonic()
+        workers = [_worker(spawn, name, f"w{i}") for i in range(n)]
+        while time.monotonic() - t0 < hot_s and len(pub.workers) < n:
+            time.sleep(0.1)
+        during = len(pub.workers)
+        _stop_burners(hot)
+        settled = _acking_soon(pub, [f"w{i}" for i in range(n)], within=20)
+        counters = pub.counters
+        print(
+            f"{n} workers, 6 burners for {hot_s:.0f} s: {during} in while hot, all acking "
+            f"{settled:.2f} s after the burners stopped; counters {counters}",
+            file=sys.stderr,
+        )
+        assert counters["handshakes"] <= 3 * n, counters
+        assert counters.get("refused_ids", 0) <= 10 * n, counters
+        assert set(pub.publish().acked) == {f"w{i}" for i in range(n)}
+        for w in workers:
+            w.proc.send_signal(signal.SIGTERM)
+        for w in workers:
+            assert w.finish() == 0, w.stderr
