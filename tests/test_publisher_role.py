@@ -11,7 +11,7 @@ import itertools
 
 import pytest
 
-from zmqsync._config import FIRST_WORD_S
+from zmqsync._config import FIRST_WORD_S, LOST_AFTER_BEATS
 from zmqsync._errors import ProtocolError
 from zmqsync._protocol import (
     Ack,
@@ -213,6 +213,19 @@ def test_liveness_drops_silent_workers_and_numbers_each_stop():
     assert r.stop_for(a.session, "silent too long") == Stop(BUS, 1, a.session, "silent too long")
     assert r.heartbeat_event().seq == 1, "the heartbeat carries the last event seq"
     assert list(r.registry.members) == ["b"]
+
+
+def test_the_sweep_waits_for_unread_frames_but_not_for_ever():
+    r = role()  # six beats of 0.5 s
+    a, _ = join(r, "a", now=0.0)
+    r.on_worker_message(Heartbeat(BUS, 0, "a", a.session, 0), 1.0)
+    for beat in range(LOST_AFTER_BEATS):  # its last heartbeats may wait there, unread
+        assert r.drop_silent(5.0 + beat, unread=True) == []
+    assert [m.worker_id for m in r.drop_silent(11.0, unread=True)] == ["a"], "a flood"
+    b, _ = join(r, "b", now=20.0)
+    r.on_worker_message(Heartbeat(BUS, 0, "b", b.session, 0), 20.0)
+    assert r.drop_silent(24.0, unread=True) == [], "the count starts again"
+    assert [m.worker_id for m in r.drop_silent(24.5)] == ["b"]
 
 
 def test_state_shows_workers_their_notes_and_extra_counters():

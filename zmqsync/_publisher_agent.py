@@ -128,6 +128,7 @@ class Agent:
         self._auth: Authenticator | None = None
         self._tap_key = secrets.token_bytes(16)  # see `_redacted`
         self._orphaned = False  # stop() was called on this thread (see stop)
+        self._unread = False  # the last drain of the acks socket left frames there
 
     def start(self) -> None:
         self._thread.start()
@@ -624,6 +625,7 @@ class Agent:
                 messages.append(msg)
             if not budget.spend(len(part)):
                 break
+        self._unread = readable(acks)  # the liveness sweep waits for what is left
         if messages:
             with shared.cond:
                 changed = False
@@ -681,7 +683,7 @@ class Agent:
         role = self.role
         self.send_event(role.heartbeat_event())
         with self.shared.cond:
-            lost = role.drop_silent(now)
+            lost = role.drop_silent(now, unread=self._unread)
             if lost:
                 self.shared.cond.notify_all()
         for member in lost:

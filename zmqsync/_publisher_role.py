@@ -17,9 +17,10 @@ comes back. The rules, in the order a worker meets them:
   any) is told STOP, under the next event seq.
 * **Worker messages** (`on_worker_message`): ACK, HEARTBEAT and BYE count only with the
   sender's current session; anything else is counted and changes nothing.
-* **Liveness** (`tick`): a HEARTBEAT carrying the last event seq (gap detection for
-  subscribers), and a STOP for every worker silent for LOST_AFTER_BEATS heartbeats (a
-  worker not heard from since its WELCOME: FIRST_WORD_S at least, for its handshake).
+* **Liveness** (`drop_silent`): a HEARTBEAT carrying the last event seq (gap detection
+  for subscribers), and a STOP for every worker silent for LOST_AFTER_BEATS heartbeats
+  (a worker not heard from since its WELCOME: FIRST_WORD_S at least, for its
+  handshake), counted once what workers sent is read.
 * **Events** are numbered here (`seq`): whoever sends them holds the lock that orders
   the sends on the events socket, and takes the next number under it.
 
@@ -96,6 +97,7 @@ class PublisherRole:
         self._new_session = new_session
         self.queue = HandshakeQueue(handshake_rate, now, places=max(max_workers, 64))
         self._notes: dict[str, tuple[str, str]] = {}  # worker id -> (session, transport note)
+        self._sweeps_put_off = 0  # liveness sweeps in a row left for unread frames
 
     @property
     def silent_after(self) -> float:
@@ -244,8 +246,20 @@ class PublisherRole:
         """The publisher's HEARTBEAT: the last event seq, for subscribers' gap checks."""
         return Heartbeat(self.bus_id, self.seq, "", "", self.registry.latest)
 
-    def drop_silent(self, now: float) -> list[Member]:
-        """Workers silent for too long, removed (tell each with `stop_for`)."""
+    def drop_silent(self, now: float, *, unread: bool = False) -> list[Member]:
+        """Workers silent for too long, removed (tell each with `stop_for`).
+
+        Args:
+            unread: frames the last drain left on the acks socket (its budget ran out):
+                a worker may look silent only because its last words are not read yet,
+                as on a host where the publisher got no CPU for a while. The sweep waits
+                for them, at most LOST_AFTER_BEATS beats in a row (so that a flood of
+                frames cannot keep the dead on the bus).
+        """
+        if unread and self._sweeps_put_off < LOST_AFTER_BEATS:
+            self._sweeps_put_off += 1
+            return []
+        self._sweeps_put_off = 0
         lost = self.registry.evict(self.registry.silent(now, self.silent_after))
         self.counters["lost"] += len(lost)
         return lost

@@ -88,7 +88,15 @@ from ._protocol import (
     template_pieces,
 )
 from ._security import CurveClient, client_from_env
-from ._sockets import NOBLOCK, Secure, connect, request, resolve_endpoint, send_bytes
+from ._sockets import (
+    CANCEL_CHECK_S,
+    NOBLOCK,
+    Secure,
+    connect,
+    request,
+    resolve_endpoint,
+    send_bytes,
+)
 from ._text import printable
 
 __all__ = ["Reading", "Subscriber"]
@@ -98,10 +106,10 @@ _APPLY_ATTEMPTS = 100
 _WAKE = b"\x01"  # from the subscriber's own inproc PUB: look at the flags (never a message)
 _WAIT_CAP_S = 0.1
 # A re-join's deadline: two heartbeats, but at least REJOIN_MIN_S (a handshake on a
-# loaded host takes longer than two short beats) and at most REJOIN_MAX_S (close() waits
-# THREAD_JOIN_S for the agent, which cannot be woken inside the handshake).
+# loaded host takes longer than two short beats), doubled after each failed attempt up
+# to REJOIN_MAX_S (see `_Agent._rejoin`).
 REJOIN_MIN_S = 2.0
-REJOIN_MAX_S = 4.0
+REJOIN_MAX_S = 16.0
 # The first turn of the wait for a subscription's confirmation (then a new connection).
 SUBSCRIBE_TURN_S = 1.0
 _NEVER = 1 << 63  # above any version: nobody waits for one
@@ -881,6 +889,7 @@ class _Agent:
         self._startup: BaseException | None = None
         self._deadline = Deadline(10.0)
         self._terminating = False
+        self._rejoin_s = 0.0  # the next re-join's deadline (0: the floor), see `_rejoin`
         # `acks` is used by the agent and, in manual mode, by the user's thread (ACK after
         # poll()); both send under this lock.
         self._send_lock = threading.Lock()
@@ -1014,6 +1023,7 @@ class _Agent:
                 deadline=deadline,
                 attempts=attempts,
                 secure=self.port.secure,
+                cancelled=self._cancelled,
             )
             if not (isinstance(reply, Error) and reply.reason.startswith("busy:")):
                 break
@@ -1021,7 +1031,7 @@ class _Agent:
             # gone silent yet): retry while a retry can still get an answer in time, then
             # report the refusal rather than a timeout.
             left = deadline.remaining()
-            if left is not None and left < 0.25:
+            if (left is not None and left < 0.25) or self._terminating:
                 break
             time.sleep(0.05)
         if isinstance(reply, Error):
@@ -1048,10 +1058,11 @@ class _Agent:
         while True:
             events = self._connect_events(endpoint, heartbeat)
             this_turn = Deadline(deadline.wait_s(turn))
-            while events.poll(this_turn.poll_ms(cap_s=self.port.timeout)) & zmq.POLLIN:
-                if events.recv() == XPUB_WELCOME:
-                    return
-            if deadline.expired():
+            while not this_turn.expired() and not self._terminating:
+                if events.poll(this_turn.poll_ms(cap_s=CANCEL_CHECK_S)) & zmq.POLLIN:
+                    if events.recv() == XPUB_WELCOME:
+                        return
+            if deadline.expired() or self._terminating:
                 raise ConnectTimeout(f"no subscription confirmation from {endpoint} in time")
             log.debug(
                 "no subscription confirmation from %s in %.1f s: reconnecting", endpoint, turn
@@ -1182,18 +1193,22 @@ class _Agent:
             self._rejoin()
 
     def _rejoin(self) -> None:
-        """LOST: one handshake attempt (the Link asks once per beat).
+        """LOST: one handshake attempt (the Link asks at once, then once per beat).
 
-        Its deadline has a floor independent of the heartbeat: on a loaded host a
+        Its deadline has a floor independent of the heartbeat (REJOIN_MIN_S), and
+        doubles after each attempt that failed, up to REJOIN_MAX_S: on a loaded host a
         handshake (a WELCOME of thousands of tensors decoded, the buffers mapped, the
         subscription confirmed) takes longer than two beats of a short heartbeat, and a
-        re-join that must fit in one would never converge. An attempt cut short costs
-        nothing but time: the next HELLO carries the same nonce, so the session the
-        publisher registered for the one given up on never stands in its way.
+        re-join that had to fit in a fixed one might never converge. An attempt cut
+        short costs nothing but time: the next HELLO carries the same nonce, so the
+        session the publisher registered for the one given up on never stands in its
+        way. Every wait in it ends at once when the Subscriber closes.
         """
-        heartbeat = self.link.heartbeat
+        floor = max(self.link.heartbeat * 2, REJOIN_MIN_S)
+        seconds = min(max(floor, self._rejoin_s), REJOIN_MAX_S)
         try:
-            self._handshake(Deadline(min(max(heartbeat * 2, REJOIN_MIN_S), REJOIN_MAX_S)), 1)
+            self._handshake(Deadline(seconds), attempts=1)
+            self._rejoin_s = 0.0
             log.info(
                 "subscriber %s re-joined %s at version %d",
                 self.link.worker_id,
@@ -1204,7 +1219,11 @@ class _Agent:
             # BufferUnavailable: the segment a WELCOME named is gone — its publisher was
             # killed and the next one's start collected it. The next attempt gets the
             # new publisher's WELCOME; giving up here would strand the worker for good.
+            self._rejoin_s = 2 * seconds
             log.debug("re-handshake failed: %s", printable(exc))
+
+    def _cancelled(self) -> bool:
+        return self._terminating
 
     def _give_up(self, refused: Stopped) -> None:
         """A final refusal (the Link is REFUSED): close the bus's sockets, wake waiters."""
