@@ -109,27 +109,53 @@ def test_a_worker_paused_past_liveness_is_back_within_a_few_beats(spawn, burners
         _acking_soon(pub, ["paused"], within=max(6 * heartbeat, 10.0))
 
 
-@pytest.mark.timeout(300)
-def test_joins_on_a_saturated_host_converge_once_it_has_cpu(spawn, burners, name):
-    n, hot_s = 12, 40.0
-    with zmqsync.Publisher(_model(), name=name, heartbeat=0.5, timeout=60) as pub:
-        hot = burners(6, hot_s)
+def _cpu_ticks(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # utime + stime
+
+
+def _settled(procs: list[Proc], within: float) -> None:
+    """Wait until no process of `procs` uses CPU (each one has imported everything and
+    waits for a publisher to answer its HELLO)."""
+    end, last = time.monotonic() + within, [_cpu_ticks(p.proc.pid) for p in procs]
+    while True:
+        assert time.monotonic() < end, "the workers never settled"
+        time.sleep(1.0)
+        now = [_cpu_ticks(p.proc.pid) for p in procs]
+        if all(b - a <= 1 for a, b in zip(last, now, strict=True)):
+            return
+        last = now
+
+
+@pytest.mark.timeout(400)
+def test_joins_on_a_saturated_host_converge_while_it_is_saturated(spawn, burners, name):
+    # Every handshake happens on the saturated host: the workers are started (and done
+    # importing) first, then six burners, then a publisher with a short heartbeat (as a
+    # relay's feed has it). Before: 368 handshakes, 337 workers dropped as silent, never
+    # all in within 40 s, all acking only 12 s after the burners stopped.
+    n, hot_s, ids = 12, 60.0, [f"w{i}" for i in range(12)]
+    workers = [_worker(spawn, name, w) for w in ids]
+    _settled(workers, within=240)
+    hot = burners(6, hot_s)
+    with zmqsync.Publisher(_model(), name=name, heartbeat=0.1, timeout=60) as pub:
         t0 = time.monotonic()
-        workers = [_worker(spawn, name, f"w{i}") for i in range(n)]
-        while time.monotonic() - t0 < hot_s and len(pub.workers) < n:
-            time.sleep(0.1)
-        during, took = len(pub.workers), time.monotonic() - t0
+        while not all(_acked(pub, w, 0) for w in ids):
+            assert time.monotonic() - t0 < 30, (
+                f"{sum(_acked(pub, w, 0) for w in ids)} of {n} in and acking 30 s into a "
+                f"saturated host; counters {pub.counters}"
+            )
+            time.sleep(0.05)
+        joined, hot_counters = time.monotonic() - t0, pub.counters
         _stop_burners(hot)
-        settled = _acking_soon(pub, [f"w{i}" for i in range(n)], within=20)
-        counters = pub.counters
+        settled = _acking_soon(pub, ids, within=10)
         print(
-            f"{n} workers, 6 burners for {hot_s:.0f} s: {during} in after {took:.1f} s, all acking "
-            f"{settled:.2f} s after the burners stopped; counters {counters}",
+            f"{n} workers joining with 6 burners at heartbeat 0.1: all in and acking after "
+            f"{joined:.1f} s ({hot_counters}), acking a new version {settled:.2f} s after "
+            "the burners stopped",
             file=sys.stderr,
         )
-        assert counters["handshakes"] <= 3 * n, counters
-        assert counters.get("refused_ids", 0) <= 10 * n, counters
-        assert set(pub.publish().acked) == {f"w{i}" for i in range(n)}
+        assert hot_counters["handshakes"] <= 4 * n, hot_counters
         for w in workers:
             w.proc.send_signal(signal.SIGTERM)
         for w in workers:
