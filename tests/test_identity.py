@@ -23,7 +23,7 @@ import zmq
 import zmqsync
 from zmqsync._config import default_address
 from zmqsync._deadline import Deadline
-from zmqsync._protocol import Inspect, State
+from zmqsync._protocol import Heartbeat, Hello, Inspect, State, Welcome, decode, encode
 from zmqsync._sockets import request
 
 from .conftest import ROOT
@@ -160,3 +160,37 @@ def test_a_hello_storm_for_a_live_id_costs_honest_joins_nothing(spawn, name):
         assert pub.publish().acked  # the victim still acks
         assert "victim" in pub.workers and pub.workers["victim"].pid == victim.proc.pid
         assert os.getpid() not in {w.pid for w in pub.workers.values()}
+
+
+def test_a_worker_that_missed_its_stop_is_told_again(ctx, name):
+    # A session dropped while its worker was still in its handshake (between HELLO and a
+    # live subscription) missed the STOP that said so: it went on beating with a session
+    # that is no member of anything, counted "stale" for ever, and never re-joined.
+    with zmqsync.Publisher(
+        {"w": torch.zeros(4)}, name=name, heartbeat=0.1, on_timeout="evict"
+    ) as pub:
+        hello = Hello("", "slow", 1, "h", "copy", "cpu")
+        welcome = request(ctx, pub.address, hello, deadline=Deadline(5))
+        assert isinstance(welcome, Welcome)
+        pub.publish(timeout=0.2)  # it never acks: evicted, told STOP (nobody listens yet)
+        assert "slow" not in pub.workers
+        events = ctx.socket(zmq.SUB)
+        events.linger = 0
+        events.setsockopt(zmq.SUBSCRIBE, b"")
+        events.connect(welcome.events)
+        acks = ctx.socket(zmq.PUSH)
+        acks.linger = 0
+        acks.connect(welcome.acks)
+        end, told = time.monotonic() + 10, None
+        while told is None:
+            assert time.monotonic() < end, f"never told; counters {pub.counters}"
+            acks.send(encode(Heartbeat(pub.bus_id, 0, "slow", welcome.session, 0)))
+            while events.poll(100):
+                frame = events.recv()
+                if frame[:1] != b"\x00":
+                    msg = decode(frame)
+                    if msg.TYPE == "stop" and msg.session == welcome.session:
+                        told = msg
+        assert told.reason == "not on the bus"
+        acks.close()
+        events.close()

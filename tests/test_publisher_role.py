@@ -228,6 +228,22 @@ def test_the_sweep_waits_for_unread_frames_but_not_for_ever():
     assert [m.worker_id for m in r.drop_silent(24.5)] == ["b"]
 
 
+def test_a_dropped_session_that_still_beats_is_told_again_once_per_beat():
+    # its STOP went out before its subscription was live: it would beat with a dead
+    # session for ever, a member of nothing, never re-joining
+    r = role()
+    a, _ = join(r, "a", now=0.0)
+    assert r.gone("a", a.session, 1.0) is None, "a live session"
+    [dropped] = r.drop_silent(FIRST_WORD_S + 0.5)
+    assert r.stop_for(dropped.session, "silent too long").seq == 1
+    assert r.gone("a", a.session, 6.0) == Stop(BUS, 2, a.session, "not on the bus")
+    assert r.gone("a", a.session, 6.25) is None, "once per beat"
+    assert r.gone("a", a.session, 6.5) == Stop(BUS, 3, a.session, "not on the bus")
+    assert r.gone("a", "0" * 16, 7.0) is None, "a session this bus never issued"
+    assert r.gone("b", a.session, 7.0) is None, "nor another worker's"
+    assert r.counters["told_gone"] == 2
+
+
 def test_state_shows_workers_their_notes_and_extra_counters():
     r = role()
     join(r, "w", now=0.0)

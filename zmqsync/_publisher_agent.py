@@ -36,10 +36,12 @@ from ._protocol import (
     BufferInfo,
     Bye,
     Error,
+    Heartbeat,
     Hello,
     Inspect,
     Message,
     State,
+    Stop,
     Tap,
     Welcome,
     ack_pattern,
@@ -129,6 +131,7 @@ class Agent:
         self._tap_key = secrets.token_bytes(16)  # see `_redacted`
         self._orphaned = False  # stop() was called on this thread (see stop)
         self._unread = False  # the last drain of the acks socket left frames there
+        self._stops: list[tuple[Stop, str]] = []  # to send once the registry lock is free
 
     def start(self) -> None:
         self._thread.start()
@@ -412,6 +415,7 @@ class Agent:
             if changed:
                 with shared.cond:
                     shared.cond.notify_all()
+            self._send_stops()
 
     def _collect_batches(self, reader: Any, done: Callable[[], bool], deadline: Deadline) -> None:
         """`collect` with the native reader: every turn takes what is queued (at least
@@ -448,6 +452,7 @@ class Agent:
             if changed:
                 with shared.cond:
                     shared.cond.notify_all()
+            self._send_stops()
 
     def _read_part(self, item: tuple[Any, ...]) -> Message | None:
         """A frame the native reader did not take as an ACK, as a message (or None). The
@@ -633,6 +638,7 @@ class Agent:
                     changed |= self._on_worker_message(msg, now)
                 if changed:
                     shared.cond.notify_all()
+            self._send_stops()
 
     def _read(self, part: zmq.Frame) -> Message | None:
         """A frame from the acks socket as a message; None (counted) if it is not one.
@@ -673,11 +679,23 @@ class Agent:
         return msg
 
     def _on_worker_message(self, msg: Message, now: float) -> bool:
-        """Apply one worker message (caller holds `cond`); True if waiters should look."""
+        """Apply one worker message (caller holds `cond`); True if waiters should look.
+        A STOP for a dropped session still beating is sent by `_send_stops`, after."""
         changed = self.role.on_worker_message(msg, now)
         if changed and isinstance(msg, Bye):
             log.info("worker %s left", msg.worker_id)
+        elif isinstance(msg, Heartbeat) and msg.worker_id:
+            stop = self.role.gone(msg.worker_id, msg.session, now)
+            if stop is not None:
+                self._stops.append((stop, msg.worker_id))
         return changed
+
+    def _send_stops(self) -> None:
+        """Send the STOPs `_on_worker_message` decided on (caller holds `_io`)."""
+        while self._stops:
+            stop, worker_id = self._stops.pop(0)
+            log.info("worker %s beats with a session no longer on the bus: told", worker_id)
+            self.send_event(stop, worker_id)
 
     def _beat(self, now: float) -> None:
         role = self.role

@@ -16,7 +16,8 @@ comes back. The rules, in the order a worker meets them:
   a WELCOME naming the endpoints, buffers and manifest; the session it replaces (if
   any) is told STOP, under the next event seq.
 * **Worker messages** (`on_worker_message`): ACK, HEARTBEAT and BYE count only with the
-  sender's current session; anything else is counted and changes nothing.
+  sender's current session; anything else is counted and changes nothing. A worker that
+  still beats with a session this bus dropped missed its STOP: `gone` sends it again.
 * **Liveness** (`drop_silent`): a HEARTBEAT carrying the last event seq (gap detection
   for subscribers), and a STOP for every worker silent for LOST_AFTER_BEATS heartbeats
   (a worker not heard from since its WELCOME: FIRST_WORD_S at least, for its
@@ -98,6 +99,7 @@ class PublisherRole:
         self.queue = HandshakeQueue(handshake_rate, now, places=max(max_workers, 64))
         self._notes: dict[str, tuple[str, str]] = {}  # worker id -> (session, transport note)
         self._sweeps_put_off = 0  # liveness sweeps in a row left for unread frames
+        self._told: dict[str, float] = {}  # gone session -> when `gone` last told it
 
     @property
     def silent_after(self) -> float:
@@ -232,6 +234,22 @@ class PublisherRole:
             return registry.leave(msg.worker_id, msg.session) is not None
         self.counters["rejected"] += 1
         return False
+
+    def gone(self, worker_id: str, session: str, now: float) -> Stop | None:
+        """The STOP to send (again) to `session` of `worker_id` if this bus dropped it
+        while its worker still speaks (a HEARTBEAT came): it missed its STOP, which went
+        out before its subscription was live (the STOP of a session dropped while its
+        worker was still in its handshake). At most once per beat per session; None for
+        a live session and for one this bus never issued (forged: it gets nothing)."""
+        if self.registry.gone_sessions.get(session) != worker_id:
+            return None
+        if now - self._told.get(session, -self.heartbeat) < self.heartbeat:
+            return None
+        if len(self._told) >= 4096:
+            self._told.clear()
+        self._told[session] = now
+        self.counters["told_gone"] += 1
+        return self.stop_for(session, "not on the bus")
 
     def on_ack(self, worker_id: str, session: str, version: int, now: float) -> bool:
         """An ACK of this bus (its fields, from `read_ack`, or from `on_worker_message`);

@@ -97,6 +97,9 @@ class Registry:
         # worker id -> {process: last acked version} of the processes that held it and
         # left (for Publish.acked, and to tell a former holder its id is taken); bounded
         self.departed: dict[str, dict[str, int]] = {}
+        # session -> worker id of the sessions dropped, replaced or gone; bounded (see
+        # `PublisherRole.gone`: one still heard from missed its STOP)
+        self.gone_sessions: dict[str, str] = {}
 
     # --- membership ---
 
@@ -191,6 +194,10 @@ class Registry:
         return gone
 
     def _remember(self, member: Member) -> None:
+        gone = self.gone_sessions
+        if len(gone) >= _DEPARTED_IDS:
+            gone.pop(next(iter(gone)))
+        gone[member.session] = member.worker_id
         departed = self.departed
         kept = departed.pop(member.worker_id, None)  # back in at the end: the newest
         if kept is None:

@@ -107,9 +107,10 @@ _WAKE = b"\x01"  # from the subscriber's own inproc PUB: look at the flags (neve
 _WAIT_CAP_S = 0.1
 # A re-join's deadline: two heartbeats, but at least REJOIN_MIN_S (a handshake on a
 # loaded host takes longer than two short beats), doubled after each failed attempt up
-# to REJOIN_MAX_S (see `_Agent._rejoin`).
+# to REJOIN_MAX_S: no longer than the publisher waits for a new session's first word
+# (see `_Agent._rejoin`).
 REJOIN_MIN_S = 2.0
-REJOIN_MAX_S = 16.0
+REJOIN_MAX_S = _config.FIRST_WORD_S
 # The first turn of the wait for a subscription's confirmation (then a new connection).
 SUBSCRIBE_TURN_S = 1.0
 _NEVER = 1 << 63  # above any version: nobody waits for one
@@ -1196,7 +1197,7 @@ class _Agent:
         """LOST: one handshake attempt (the Link asks at once, then once per beat).
 
         Its deadline has a floor independent of the heartbeat (REJOIN_MIN_S), and
-        doubles after each attempt that failed, up to REJOIN_MAX_S: on a loaded host a
+        doubles after each attempt that failed, up to REJOIN_MAX_S (5 s): on a loaded host a
         handshake (a WELCOME of thousands of tensors decoded, the buffers mapped, the
         subscription confirmed) takes longer than two beats of a short heartbeat, and a
         re-join that had to fit in a fixed one might never converge. An attempt cut
