@@ -27,6 +27,7 @@ from zmqsync._protocol import Heartbeat, Hello, Inspect, State, Welcome, decode,
 from zmqsync._sockets import request
 
 from .conftest import ROOT
+from .helpers.load import Burners
 
 STORM = str(ROOT / "tools" / "hello_storm.py")
 HELPERS = str(ROOT / "tests" / "helpers") + "/"
@@ -39,6 +40,13 @@ def ctx():
     context.destroy(linger=0)
 
 
+@pytest.fixture
+def burners():
+    """start(n, seconds) -> CPU-bound processes (see `Burners`)."""
+    with Burners() as procs:
+        yield procs.start
+
+
 def _applied(proc, version, timeout=60):
     return proc.wait_for(lambda r: r.get("event") == "applied" and r["version"] >= version, timeout)
 
@@ -49,7 +57,7 @@ def _counters(ctx, address):
     return state.counters
 
 
-def test_a_hello_whose_welcome_was_lost_does_not_lock_its_worker_out(ctx, spawn, name):
+def test_a_hello_whose_welcome_was_lost_does_not_lock_its_worker_out(ctx, spawn, burners, name):
     # The publisher reads the first HELLO, then stops (SIGSTOP) while it builds the
     # WELCOME of a 20,000-tensor bus, past the first attempt's share of the worker's
     # deadline: the session it registers for that HELLO is the worker's own, answered to
@@ -59,6 +67,7 @@ def test_a_hello_whose_welcome_was_lost_does_not_lock_its_worker_out(ctx, spawn,
         HELPERS + "bus_publisher.py", name, "--tensors", "20000", "--heartbeat", "2", module=""
     )
     publisher.wait_for(lambda r: r.get("event") == "started", timeout=60)
+    burners(2, 120)  # both cores busy
     try:
         _join_with_a_lost_welcome(ctx, publisher, name)
     finally:
@@ -99,8 +108,11 @@ def _join_with_a_lost_welcome(ctx, publisher, name):
     raise AssertionError("the publisher never read the HELLO before it was stopped")
 
 
-def test_a_paused_workers_id_taken_by_another_process_is_said_and_never_counted(spawn, name):
+def test_a_paused_workers_id_taken_by_another_process_is_said_and_never_counted(
+    spawn, burners, name
+):
     hb = 0.25  # a worker is dropped after 1.5 s of silence
+    burners(4, 120)  # on a saturated host
     with zmqsync.Publisher({"w": torch.zeros(64)}, name=name, heartbeat=hb, timeout=30) as pub:
         first = spawn("worker", "--name", name, "--json", "--worker-id", "same")
         _applied(first, 0)
@@ -139,7 +151,9 @@ def _join_times(name: str, count: int) -> list[float]:
     return times
 
 
-def test_a_hello_storm_for_a_live_id_costs_honest_joins_nothing(spawn, name):
+@pytest.mark.parametrize("burning", [0, 4])
+def test_a_hello_storm_for_a_live_id_costs_honest_joins_nothing(spawn, burners, name, burning):
+    burners(burning, 120)  # honest joins on a quiet host, and on a saturated one
     with zmqsync.Publisher({"w": torch.zeros(64)}, name=name, timeout=20) as pub:
         victim = spawn("worker", "--name", name, "--json", "--worker-id", "victim")
         _applied(victim, 0)
@@ -154,7 +168,10 @@ def test_a_hello_storm_for_a_live_id_costs_honest_joins_nothing(spawn, name):
         refused = pub.counters.get("refused_ids", 0)
         storm.proc.send_signal(signal.SIGTERM)
         report = storm.wait_for(lambda r: r.get("event") == "done", timeout=30)
-        print(f"quiet {quiet}, storm {stormy}, storm report {report}", file=sys.stderr)
+        print(
+            f"{burning} burners: quiet {quiet}, storm {stormy}, storm report {report}",
+            file=sys.stderr,
+        )
         assert report["answers"].get("busy", 0) > 1000 and refused > 1000
         assert max(stormy) < max(2.0, 20 * statistics.median(quiet)), (quiet, stormy)
         assert pub.publish().acked  # the victim still acks

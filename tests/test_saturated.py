@@ -8,7 +8,6 @@ deadline, and the figures each test saw are printed (pytest -s shows them).
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
 import time
@@ -19,6 +18,7 @@ import torch
 import zmqsync
 
 from .conftest import ROOT, Proc
+from .helpers.load import Burners
 
 HELPERS = ROOT / "tests" / "helpers"
 
@@ -27,25 +27,9 @@ TENSORS = 2000  # the model of the reports: a handshake's WELCOME names every te
 
 @pytest.fixture
 def burners():
-    """start(n, seconds) -> the CPU-bound processes, each ending after `seconds`."""
-    procs: list[Proc] = []
-
-    def start(n: int, seconds: float) -> list[Proc]:
-        code = (
-            f"import time\nend = time.monotonic() + {seconds}\nwhile time.monotonic() < end: pass"
-        )
-        new = [Proc([sys.executable, "-c", code], dict(os.environ)) for _ in range(n)]
-        procs.extend(new)
-        return new
-
-    yield start
-    for proc in procs:
-        proc.kill()
-
-
-def _stop_burners(procs: list[Proc]) -> None:
-    for proc in procs:
-        proc.kill()
+    """start(n, seconds) -> CPU-bound processes (see `Burners`)."""
+    with Burners() as procs:
+        yield procs.start
 
 
 def _model() -> dict[str, torch.Tensor]:
@@ -104,7 +88,7 @@ def test_a_worker_paused_past_liveness_is_back_within_a_few_beats(spawn, burners
             )
             time.sleep(0.02)
         back = time.monotonic() - t0
-        _stop_burners(hot)
+        Burners.stop(hot)
         print(f"heartbeat {heartbeat}: back and acking {back:.2f} s after SIGCONT", file=sys.stderr)
         _acking_soon(pub, ["paused"], within=max(6 * heartbeat, 10.0))
 
@@ -147,7 +131,7 @@ def test_joins_on_a_saturated_host_converge_while_it_is_saturated(spawn, burners
             )
             time.sleep(0.05)
         joined, hot_counters = time.monotonic() - t0, pub.counters
-        _stop_burners(hot)
+        Burners.stop(hot)
         settled = _acking_soon(pub, ids, within=10)
         print(
             f"{n} workers joining with 6 burners at heartbeat 0.1: all in and acking after "
