@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import signal
 import sys
+import threading
 import time
 
 import pytest
 import torch
+import zmq
 
 import zmqsync
+from zmqsync._config import XPUB_WELCOME
+from zmqsync._protocol import encode
 
 from .conftest import ROOT, Proc
 from .helpers.load import Burners
@@ -144,3 +148,64 @@ def test_joins_on_a_saturated_host_converge_while_it_is_saturated(spawn, burners
             w.proc.send_signal(signal.SIGTERM)
         for w in workers:
             assert w.finish() == 0, w.stderr
+
+
+class _LateConfirmation:
+    """A fake publisher whose events socket confirms a subscription only on the second
+    connection that asks (the first one's confirmation never comes, as it once did not
+    for a worker right after a benchmark at load 36)."""
+
+    def __init__(self, fake) -> None:  # a FakePublisher of tests/test_hostile_publisher.py
+        self.fake = fake
+        fake.events.setsockopt(zmq.XPUB_WELCOME_MSG, b"")
+        fake.events.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscription, not the first
+        self.subscriptions = 0
+        self.stop = threading.Event()
+
+    def serve(self, answer) -> None:
+        fake = self.fake
+        fake.answer = encode(answer)
+        poller = zmq.Poller()
+        poller.register(fake.control, zmq.POLLIN)
+        poller.register(fake.events, zmq.POLLIN)
+        while not self.stop.is_set():
+            ready = dict(poller.poll(50))
+            if fake.events in ready and fake.events.recv()[:1] == b"\x01":
+                self.subscriptions += 1
+                if self.subscriptions == 2:
+                    fake.events.send(XPUB_WELCOME)
+            if fake.control in ready:
+                fake.control.recv()
+                fake.control.send(fake.answer)
+
+
+def test_a_subscription_never_confirmed_is_asked_again_on_a_new_connection(bus_dirs, name):
+    from tests.test_hostile_publisher import FakePublisher, cpu_buffer, segment, spec, welcome
+
+    runtime, shm = bus_dirs
+    fake = FakePublisher(f"ipc://{runtime}/{name}.sock")
+    late = _LateConfirmation(fake)
+    slots, slot_bytes = 2, 4096
+    try:
+        with segment(shm, f"zmqsync-{name}-x-cpu", slots=slots, slot_bytes=slot_bytes) as seg:
+            answer = welcome(
+                fake.endpoints,
+                (cpu_buffer(seg, slots, slot_bytes),),
+                (spec("w", 16, 0),),
+                slots=slots,
+                slot_bytes=slot_bytes,
+            )
+            server = threading.Thread(target=late.serve, args=(answer,), daemon=True)
+            server.start()
+            t0 = time.monotonic()
+            sub = zmqsync.Subscriber(fake.address, timeout=8).start()
+            took = time.monotonic() - t0
+            try:
+                assert sub.version == 0 and late.subscriptions == 2
+                assert took < 4, f"start() took {took:.1f} s"  # one turn of ~1 s, not 8
+            finally:
+                sub.close()
+            late.stop.set()
+            server.join(10)
+    finally:
+        fake.close()
