@@ -197,15 +197,17 @@ def test_a_subscription_never_confirmed_is_asked_again_on_a_new_connection(bus_d
             )
             server = threading.Thread(target=late.serve, args=(answer,), daemon=True)
             server.start()
-            t0 = time.monotonic()
-            sub = zmqsync.Subscriber(fake.address, timeout=8).start()
-            took = time.monotonic() - t0
             try:
-                assert sub.version == 0 and late.subscriptions == 2
-                assert took < 4, f"start() took {took:.1f} s"  # one turn of ~1 s, not 8
+                t0 = time.monotonic()
+                sub = zmqsync.Subscriber(fake.address, timeout=8).start()
+                took = time.monotonic() - t0
+                try:
+                    assert sub.version == 0 and late.subscriptions == 2
+                    assert took < 4, f"start() took {took:.1f} s"  # one turn of ~1 s, not 8
+                finally:
+                    sub.close()
             finally:
-                sub.close()
-            late.stop.set()
-            server.join(10)
+                late.stop.set()
+                server.join(10)
     finally:
         fake.close()
