@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from zmqsync._config import LOST_AFTER_BEATS
+from zmqsync._config import FIRST_WORD_S, LOST_AFTER_BEATS, REJOIN_MIN_S
 from zmqsync._link import (
     Handshake,
     Link,
@@ -349,6 +349,23 @@ def test_lost_tries_a_handshake_at_once_then_once_per_heartbeat():
     assert link.tick(at + 5 * HB + 0.25, 3) == ()
     link.welcome(welcome(), at + 6 * HB, latest=None)
     assert link.tick(at + 6 * HB, 3) == (beat(),), "active again"
+
+
+def test_a_rejoins_deadline_has_a_floor_and_grows_while_attempts_fail():
+    link = active(heartbeat=0.125)  # two beats: 0.25 s, far too short for a busy host
+    lost_by_silence(link)
+    assert link.rejoin_deadline() == REJOIN_MIN_S == 2.0
+    link.rejoin_failed(2.0)
+    assert link.rejoin_deadline() == 4.0
+    link.rejoin_failed(4.0)
+    assert link.rejoin_deadline() == FIRST_WORD_S == 5.0, "what a first word may take"
+    link.welcome(welcome(heartbeat=0.125), 100.0, latest=None)
+    assert link.rejoin_deadline() == 2.0, "back to the floor once in"
+    slow = active(heartbeat=4.0)
+    assert slow.rejoin_deadline() == 8.0, "two beats of a long heartbeat"
+    slow.rejoin_failed(8.0)
+    slow.rejoin_failed(16.0)
+    assert slow.rejoin_deadline() == 24.0, "six beats: the publisher's patience"
 
 
 def test_an_eviction_asks_for_a_handshake_at_once():

@@ -33,7 +33,8 @@ Invariants (the ZeroMQ Guide's Clone client, with liveness):
    when the publisher is silent for more than ``LOST_AFTER_BEATS`` heartbeats, on STOP
    for the bus (``stopped``) or for our session (evicted). LOST keeps the last whole
    version and asks for a handshake at once, then once per heartbeat (a worker that
-   got CPU back after a long pause is back within a handshake, whatever the heartbeat).
+   got CPU back after a long pause is back within a handshake, whatever the heartbeat),
+   each with a deadline that grows while they fail (`rejoin_deadline`).
    Every HELLO carries the session
    held now and the worker's `nonce` (a secret drawn once per subscriber): they prove to
    the publisher that a re-join comes from this same process, also when the WELCOME of
@@ -56,7 +57,7 @@ import enum
 from dataclasses import dataclass
 from typing import TypeAlias
 
-from ._config import LOST_AFTER_BEATS
+from ._config import FIRST_WORD_S, LOST_AFTER_BEATS, REJOIN_MIN_S
 from ._protocol import Bye, Heartbeat, Hello, Message, Receive, Stop, Welcome
 
 __all__ = [
@@ -175,6 +176,7 @@ class Link:
         self.next_tick = 0.0  # `tick` has nothing to do before this
         self.stopped = False  # the publisher closed the bus (until a WELCOME), or refused us
         self.refusal = ""  # REFUSED: the publisher's reason
+        self._rejoin_s = 0.0  # the next re-join's deadline, once one failed (0: the floor)
         self.counters = counters if counters is not None else {}
         for key in _COUNTERS:
             self.counters.setdefault(key, 0)
@@ -191,6 +193,25 @@ class Link:
         return Hello(
             "", self.worker_id, pid, host, self.mode, transport, note, self.session, self.nonce
         )
+
+    def rejoin_deadline(self) -> float:
+        """Seconds the re-join asked for now may take (see invariant 5).
+
+        Two beats, but at least REJOIN_MIN_S: on a loaded host a handshake (a WELCOME of
+        thousands of tensors decoded, the buffers mapped, the subscription confirmed)
+        takes longer than two short beats. Doubled after each attempt that failed
+        (`rejoin_failed`), up to what the publisher waits for a new session's first word
+        (FIRST_WORD_S, or six beats if longer): a re-join that had to fit in a fixed
+        time might never converge, and one that takes longer than that would be
+        dropped before it could say a word.
+        """
+        floor = max(2 * self.heartbeat, REJOIN_MIN_S)
+        ceiling = max(FIRST_WORD_S, LOST_AFTER_BEATS * self.heartbeat)
+        return min(max(floor, self._rejoin_s), ceiling)
+
+    def rejoin_failed(self, seconds: float) -> None:
+        """A re-join given `seconds` failed: the next one gets twice as long."""
+        self._rejoin_s = 2 * seconds
 
     def refused(self, reason: str) -> Stopped | None:
         """A handshake was refused with `reason`. Stopped when that is final (a re-join
@@ -224,7 +245,7 @@ class Link:
         """
         if self.state is LinkState.CLOSED:
             return None
-        self.state, self.stopped = LinkState.ACTIVE, False
+        self.state, self.stopped, self._rejoin_s = LinkState.ACTIVE, False, 0.0
         self.bus_id, self.session, self.slots = welcome.bus, welcome.session, welcome.slots
         self.last_seq, self.heartbeat, self.last_heard = welcome.seq, welcome.heartbeat, now
         self.next_tick = min(self.next_tick, now + welcome.heartbeat)

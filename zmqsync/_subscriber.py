@@ -105,12 +105,6 @@ log = logging.getLogger(__name__)
 _APPLY_ATTEMPTS = 100
 _WAKE = b"\x01"  # from the subscriber's own inproc PUB: look at the flags (never a message)
 _WAIT_CAP_S = 0.1
-# A re-join's deadline: two heartbeats, but at least REJOIN_MIN_S (a handshake on a
-# loaded host takes longer than two short beats), doubled after each failed attempt up
-# to REJOIN_MAX_S: no longer than the publisher waits for a new session's first word
-# (see `_Agent._rejoin`).
-REJOIN_MIN_S = 2.0
-REJOIN_MAX_S = _config.FIRST_WORD_S
 # The first turn of the wait for a subscription's confirmation (then a new connection).
 SUBSCRIBE_TURN_S = 1.0
 _NEVER = 1 << 63  # above any version: nobody waits for one
@@ -890,7 +884,6 @@ class _Agent:
         self._startup: BaseException | None = None
         self._deadline = Deadline(10.0)
         self._terminating = False
-        self._rejoin_s = 0.0  # the next re-join's deadline (0: the floor), see `_rejoin`
         # `acks` is used by the agent and, in manual mode, by the user's thread (ACK after
         # poll()); both send under this lock.
         self._send_lock = threading.Lock()
@@ -1194,22 +1187,16 @@ class _Agent:
             self._rejoin()
 
     def _rejoin(self) -> None:
-        """LOST: one handshake attempt (the Link asks at once, then once per beat).
-
-        Its deadline has a floor independent of the heartbeat (REJOIN_MIN_S), and
-        doubles after each attempt that failed, up to REJOIN_MAX_S (5 s): on a loaded host a
-        handshake (a WELCOME of thousands of tensors decoded, the buffers mapped, the
-        subscription confirmed) takes longer than two beats of a short heartbeat, and a
-        re-join that had to fit in a fixed one might never converge. An attempt cut
-        short costs nothing but time: the next HELLO carries the same nonce, so the
-        session the publisher registered for the one given up on never stands in its
-        way. Every wait in it ends at once when the Subscriber closes.
+        """LOST: one handshake attempt (the Link asks at once, then once per beat), with
+        the deadline the Link gives it (`Link.rejoin_deadline`: not shorter than a
+        handshake on a loaded host, growing while attempts fail). An attempt cut short
+        costs nothing but time: the next HELLO carries the same nonce, so the session
+        the publisher registered for the one given up on never stands in its way. Every
+        wait in it ends at once when the Subscriber closes.
         """
-        floor = max(self.link.heartbeat * 2, REJOIN_MIN_S)
-        seconds = min(max(floor, self._rejoin_s), REJOIN_MAX_S)
+        seconds = self.link.rejoin_deadline()
         try:
             self._handshake(Deadline(seconds), attempts=1)
-            self._rejoin_s = 0.0
             log.info(
                 "subscriber %s re-joined %s at version %d",
                 self.link.worker_id,
@@ -1220,7 +1207,7 @@ class _Agent:
             # BufferUnavailable: the segment a WELCOME named is gone — its publisher was
             # killed and the next one's start collected it. The next attempt gets the
             # new publisher's WELCOME; giving up here would strand the worker for good.
-            self._rejoin_s = 2 * seconds
+            self.link.rejoin_failed(seconds)
             log.debug("re-handshake failed: %s", printable(exc))
 
     def _cancelled(self) -> bool:
