@@ -136,8 +136,11 @@ below). `seq` grows by exactly 1 per RECEIVE or STOP; a jump means events were m
 last version they applied and report `stopped`. `session` set: the worker holding that
 session is no longer a member: evicted by a publish that timed out with
 `on_timeout="evict"` (reason `"evicted"`) or silent for too long (reason
-`"silent too long"`). It may HELLO again. Every other subscriber ignores a STOP for a
-session not its own (but still counts its `seq`).""",
+`"silent too long"`), or a session dropped earlier whose worker still sends HEARTBEATs
+(reason `"not on the bus"`: it missed the first STOP, sent before its subscription was
+live; repeated at most once per beat, only for sessions the publisher issued). It may
+HELLO again. Every other subscriber ignores a STOP for a session not its own (but still
+counts its `seq`).""",
     P.Heartbeat: """\
 From the publisher, on events, every `heartbeat` seconds: `seq` = last event seq sent,
 `worker_id` and `session` empty, `version` = latest version. A subscriber that sees
@@ -148,9 +151,11 @@ From a subscriber, on acks, every `heartbeat` seconds: `seq` 0, its `worker_id` 
 `session`, `version` = the version it computes with (-1 before the first).
 
 Liveness: the publisher drops a member from which no ACK or HEARTBEAT came for
-{beats} × `heartbeat` seconds and sends STOP with its session. A subscriber that hears
+{beats} × `heartbeat` seconds (one not heard from since its WELCOME: {first_word} s at
+least, for its handshake) and sends STOP with its session. A subscriber that hears
 nothing of its bus on events for as long considers the publisher lost: it keeps
-computing with the last whole version and tries one handshake per `heartbeat`. A
+computing with the last whole version and tries a handshake at once, then one per
+`heartbeat`, each given at least {rejoin_min} s (more while they fail). A
 HEARTBEAT from another `bus` on the events endpoint means a new publisher serves the
 address: handshake again (new bus, new buffers).""",
     P.Ack: """\
@@ -348,11 +353,14 @@ A subscriber:
 1. sends HELLO on a new REQ socket to the control address and polls for the answer
    with a deadline. Without an answer it closes that socket (linger 0) and tries again
    with a fresh one ("Lazy Pirate", {attempts} attempts sharing one deadline). ERROR
-   means it was refused: give up with the reason.
+   `busy: …` may be retried until the deadline; any other ERROR means it was refused:
+   give up with the reason.
 2. connects a SUB socket to `WELCOME.events`, subscribes to everything (`""`), and
    waits for the frame `{xpub_welcome}`: the publisher's XPUB sends it to each new
    subscriber once its subscription is live, so from then on no event can be missed.
-   That frame is not msgpack: skip it wherever it appears.
+   That frame is not msgpack: skip it wherever it appears. Without it after a while
+   (zmqsync waits a second, or two beats, then twice as long each time), connect a new
+   SUB socket and wait again.
 3. maps the segment (below) read-only and checks its header; connects a PUSH socket to
    `WELCOME.acks`.
 4. sets `last_seq = WELCOME.seq`, applies `WELCOME.version` from `WELCOME.slot` (or the
@@ -452,6 +460,8 @@ def _notes(cls: type[Any]) -> str:
     dtypes = ", ".join(f"`{name}` {size}" for name, size in P.DTYPES.items())
     return NOTES[cls].format(
         beats=_config.LOST_AFTER_BEATS,
+        first_word=f"{_config.FIRST_WORD_S:g}",
+        rejoin_min=f"{_config.REJOIN_MIN_S:g}",
         bye_wait=_config.CLOSE_BYE_WAIT_S,
         align=P.ALIGN,
         dtypes=dtypes,
