@@ -173,7 +173,8 @@ already serves its `ipc://` address (it refuses to start if one answers).""",
 `workers[].last_seen` is seconds since that worker's last message, not a timestamp.
 `counters` includes publishes, handshakes, acks, stale, rejected, timeouts, evictions,
 lost, refused_ids (HELLOs refused for a live worker's id), throttled (refused for the
-handshake budget), dropped_peers (a counter appears once it is non-zero), and always
+handshake budget), told_gone (STOPs sent again to dropped sessions still beating),
+dropped_peers (a counter appears once it is non-zero), and always
 `connections` (open now) and `refused_connections` (closed by the publisher because the
 bus was full; see docs/security.md).""",
     P.Tap: """\
