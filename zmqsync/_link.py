@@ -34,11 +34,10 @@ Invariants (the ZeroMQ Guide's Clone client, with liveness):
    for the bus (``stopped``) or for our session (evicted). LOST keeps the last whole
    version and asks for a handshake at once, then once per heartbeat (a worker that
    got CPU back after a long pause is back within a handshake, whatever the heartbeat),
-   each with a deadline that grows while they fail (`rejoin_deadline`).
-   Every HELLO carries the session
-   held now and the worker's `nonce` (a secret drawn once per subscriber): they prove to
-   the publisher that a re-join comes from this same process, also when the WELCOME of
-   an earlier HELLO never arrived.
+   each with a deadline that grows while they fail (`rejoin_deadline`). Every HELLO
+   carries the session held now and the worker's `nonce` (a secret drawn once per
+   subscriber): they prove to the publisher that a re-join comes from this same
+   process, also when the WELCOME of an earlier HELLO never arrived.
 6. **Heartbeats only while ACTIVE,** one per heartbeat interval.
 7. **A final refusal ends the re-joining.** A re-join refused with ``taken:`` (another
    process holds the worker id now, see `Registry.claim`) makes the link REFUSED:
