@@ -71,6 +71,7 @@ CORE = (
     "zmqsync._deadline",
     "zmqsync._errors",
     "zmqsync._follow",
+    "zmqsync._handshake_queue",
     "zmqsync._layout",
     "zmqsync._lifecycle",
     "zmqsync._link",
@@ -91,7 +92,13 @@ RULES = {
         (*IO, "torch"),
     ),
     "the state objects take messages and a clock: no I/O, no clock, no tensors": (
-        ("zmqsync._registry", "zmqsync._publisher_role", "zmqsync._link", "zmqsync._admission"),
+        (
+            "zmqsync._registry",
+            "zmqsync._publisher_role",
+            "zmqsync._link",
+            "zmqsync._admission",
+            "zmqsync._handshake_queue",
+        ),
         (*[m for m in IO if m != "os"], "torch"),
     ),
     "buffers, layout and copies never import zmq": (

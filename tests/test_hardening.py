@@ -538,6 +538,15 @@ def test_a_silent_sessions_id_may_be_taken_and_the_old_session_is_told(ctx, name
         first = request(
             ctx, pub.address, Hello("", "q", 1, "h", "copy", "cpu"), deadline=Deadline(5)
         )
+        acks = ctx.socket(zmq.PUSH)
+        acks.linger = 0
+        acks.connect(first.acks)
+        acks.send(encode(Ack(pub.bus_id, "q", first.session, 0)))  # its first word
+        end = time.monotonic() + 5
+        while pub.workers["q"].version < 0:
+            assert time.monotonic() < end
+            time.sleep(0.01)
+        acks.close()
         time.sleep(0.4)  # longer than 6 heartbeats of silence: its process is gone
         second = request(
             ctx, pub.address, Hello("", "q", 2, "h", "copy", "cpu"), deadline=Deadline(5)
@@ -551,6 +560,7 @@ def test_a_silent_sessions_id_may_be_taken_and_the_old_session_is_told(ctx, name
 
 
 def test_the_tap_shows_no_session_a_peer_could_use(ctx, name):
+    # nor the nonce, which proves a worker's process (and so would let a peer take its place)
     with zmqsync.Publisher({"w": torch.zeros(4)}, name=name, tap=True) as pub:
         tap = _events(ctx, pub.address + ".tap")
         end = time.monotonic() + 10
@@ -558,7 +568,7 @@ def test_the_tap_shows_no_session_a_peer_could_use(ctx, name):
             assert time.monotonic() < end, "the tap never showed a frame"
             request(ctx, pub.address, Inspect(""), deadline=Deadline(5))
         with zmqsync.Subscriber(name=name, worker_id="s") as sub:
-            real = sub._agent.session
+            real, nonce = sub._agent.session, sub._link.nonce
             for _ in range(3):
                 pub.publish()
             records = []
@@ -571,6 +581,9 @@ def test_the_tap_shows_no_session_a_peer_could_use(ctx, name):
         assert any(m.TYPE == "ack" for m in frames) and any(m.TYPE == "welcome" for m in frames)
         assert real.encode() not in b"".join(r.frame for r in records)
         assert len(shown) == 1 and real not in shown, "one stand-in, the same for the session"
+        hellos = [m for m in frames if m.TYPE == "hello"]
+        assert len(nonce) == 32 and nonce.encode() not in b"".join(r.frame for r in records)
+        assert hellos and all(len(h.nonce) == 32 and h.nonce != nonce for h in hellos)
         # the stand-in is worth nothing on the acks socket
         push = ctx.socket(zmq.PUSH)
         push.linger = 0

@@ -246,10 +246,14 @@ def test_big_tensors_arrive_whichever_way_they_are_copied(name, source, copy_loo
 def test_the_all_acked_check_agrees_with_missing_whatever_the_order(name):
     """The publishing thread's O(1)-per-ack check must say done exactly when
     `Registry.missing` is empty: acks in any order, a target that leaves, one that leaves
-    and re-joins (un-acked again) before the end."""
+    and re-joins (the same process: un-acked again) before the end, one whose id another
+    process takes (gone: it owes nothing, and the newcomer's ack does not count)."""
     import random
 
     from zmqsync._protocol import Hello
+
+    def hello(w, process):
+        return Hello(pub.bus_id, w, 1, "h", "copy", "cpu", "", "", f"{process:032x}")
 
     with zmqsync.Publisher({"w": torch.zeros(4)}, name=name, heartbeat=30) as pub:
         reg, rng = pub._registry, random.Random(7)
@@ -258,28 +262,32 @@ def test_the_all_acked_check_agrees_with_missing_whatever_the_order(name):
                 for w in list(reg.members):
                     reg.leave(w, reg.members[w].session)
                 ids = [f"w{i}" for i in range(rng.randint(1, 12))]
-                for w in ids:
-                    reg.join(Hello(pub.bus_id, w, 1, "h", "copy", "cpu"), w, 0.0)
+                for i, w in enumerate(ids):
+                    reg.join(hello(w, i), w, 0.0)
                 version = reg.latest + 1
                 reg.record(version, 0)
-                ready = pub._all_acked(version, tuple(ids))
+                targets = reg.meant(ids)
+                ready = pub._all_acked(version, targets)
                 events = [("ack", w) for w in ids]
                 events += [("leave", w) for w in rng.sample(ids, rng.randint(0, len(ids)))]
                 if trial % 3 == 0:
                     events.append(("rejoin", rng.choice(ids)))
+                if trial % 4 == 0:
+                    events.append(("taken", rng.choice(ids)))
                 rng.shuffle(events)
                 for kind, w in events:
-                    assert ready() == (not reg.missing(version, tuple(ids))), (trial, kind, w)
+                    assert ready() == (not reg.missing(version, targets)), (trial, kind, w)
                     member = reg.members.get(w)
                     if kind == "ack" and member is not None:
                         reg.ack(w, member.session, version, 0.0)
                     elif kind == "leave" and member is not None:
                         reg.leave(w, member.session)
-                    elif kind == "rejoin":
+                    elif kind in ("rejoin", "taken"):
                         if member is not None:
                             reg.leave(w, member.session)
-                        reg.join(Hello(pub.bus_id, w, 1, "h", "copy", "cpu"), w + "x", 0.0)
-                assert ready() == (not reg.missing(version, tuple(ids))), trial
+                        process = ids.index(w) + (1000 if kind == "taken" else 0)
+                        reg.join(hello(w, process), w + kind[0], 0.0)
+                assert ready() == (not reg.missing(version, targets)), trial
                 for w in list(reg.members):  # whoever is left acks: then done
                     reg.ack(w, reg.members[w].session, version, 0.0)
                 assert ready()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from zmqsync._config import LOST_AFTER_BEATS
+from zmqsync._config import FIRST_WORD_S, LOST_AFTER_BEATS, REJOIN_MIN_S
 from zmqsync._link import (
     Handshake,
     Link,
@@ -97,6 +97,17 @@ def test_the_first_hello_carries_no_session():
     )
 
 
+def test_every_hello_carries_the_same_nonce():
+    nonce = "0123456789abcdef" * 2
+    link = Link("w0", "copy", nonce=nonce)
+    first = link.hello(42, "host", "cpu", "")
+    assert first == Hello("", "w0", 42, "host", "copy", "cpu", "", "", nonce)
+    assert link.fallback_hello(first, welcome(), "cpu", "no GPU").nonce == nonce
+    link.welcome(welcome(), 0.0, latest=None)
+    lost_by_silence(link)
+    assert link.hello(42, "host", "cpu", "").nonce == nonce, "a re-join proves the process"
+
+
 def test_welcome_makes_the_link_active_on_its_bus():
     link = Link("w0", "alias")
     offer = link.welcome(welcome(heartbeat=0.25, seq=7), now=2.0, latest=None)
@@ -152,11 +163,12 @@ def test_a_rejoin_adopts_the_new_welcome_and_clears_stopped():
 def test_a_rejoins_first_beat_is_at_most_one_new_heartbeat_away():
     link = active()
     at = lost_by_silence(link)
-    assert link.next_tick == at + HB
+    assert link.tick(at, 3) == (Handshake(),) and link.next_tick == at + HB
     link.welcome(welcome(heartbeat=0.125), at + 0.125, latest=None)
     assert link.next_tick == at + 0.25, "the new publisher's interval"
     link = active()
     at = lost_by_silence(link)
+    assert link.tick(at, 3) == (Handshake(),)
     link.welcome(welcome(heartbeat=4.0), at + 0.125, latest=None)
     assert link.next_tick == at + HB, "never later than the beat already due"
 
@@ -325,17 +337,67 @@ def test_any_message_of_our_bus_resets_the_silence():
     assert link.tick(4.0 + limit + HB, 3) == (beat(), Lost("publisher silent"))
 
 
-def test_lost_tries_a_handshake_once_per_heartbeat():
+def test_lost_tries_a_handshake_at_once_then_once_per_heartbeat():
     link = active()
     at = lost_by_silence(link)
-    assert link.tick(at + 0.25, 3) == ()
-    assert link.tick(at + HB, 3) == (Handshake(),)
-    assert link.tick(at + HB + 0.25, 3) == ()
-    assert link.tick(at + 2 * HB, 3) == (Handshake(),)
+    assert link.tick(at + 0.25, 3) == (Handshake(),), "at once: a beat may be long"
+    assert link.tick(at + 0.5, 3) == ()
+    assert link.tick(at + 0.25 + HB, 3) == (Handshake(),)
+    assert link.tick(at + 0.25 + HB + 0.25, 3) == ()
+    assert link.tick(at + 0.25 + 2 * HB, 3) == (Handshake(),)
     assert link.tick(at + 5 * HB, 3) == (Handshake(),), "late ticks do not pile up"
     assert link.tick(at + 5 * HB + 0.25, 3) == ()
     link.welcome(welcome(), at + 6 * HB, latest=None)
     assert link.tick(at + 6 * HB, 3) == (beat(),), "active again"
+
+
+def test_a_rejoins_deadline_has_a_floor_and_grows_while_attempts_fail():
+    link = active(heartbeat=0.125)  # two beats: 0.25 s, far too short for a busy host
+    lost_by_silence(link)
+    assert link.rejoin_deadline() == REJOIN_MIN_S == 2.0
+    link.rejoin_failed(2.0)
+    assert link.rejoin_deadline() == 4.0
+    link.rejoin_failed(4.0)
+    assert link.rejoin_deadline() == FIRST_WORD_S == 5.0, "what a first word may take"
+    link.welcome(welcome(heartbeat=0.125), 100.0, latest=None)
+    assert link.rejoin_deadline() == 2.0, "back to the floor once in"
+    slow = active(heartbeat=4.0)
+    assert slow.rejoin_deadline() == 8.0, "two beats of a long heartbeat"
+    slow.rejoin_failed(8.0)
+    slow.rejoin_failed(16.0)
+    assert slow.rejoin_deadline() == 24.0, "six beats: the publisher's patience"
+
+
+def test_an_eviction_asks_for_a_handshake_at_once():
+    link = active()
+    assert link.tick(0.0, 3) == (beat(),) and link.next_tick == HB
+    assert link.on_event(Stop(BUS, 11, SESSION, "evicted"), 0.125) == Lost("evicted (evicted)")
+    assert link.tick(0.125, 3) == (Handshake(),)
+
+
+def test_a_rejoin_told_taken_stops_the_link_for_good():
+    link = active()
+    at = lost_by_silence(link)
+    assert link.tick(at + HB, 3) == (Handshake(),)
+    assert link.refused("busy: worker id 'w0' is in use by a live worker (pid 9)") is None
+    assert link.refused("bus full: 4 workers (max_workers)") is None
+    assert link.state is LinkState.LOST and not link.stopped, "tried again next beat"
+    assert link.tick(at + 2 * HB, 3) == (Handshake(),)
+    reason = "taken: worker id 'w0' belongs to another process now (pid 9)"
+    assert link.refused(reason) == Stopped(reason)
+    assert link.state is LinkState.REFUSED and not link.connected
+    assert (link.stopped, link.refusal, link.session) == (True, reason, "")
+    assert link.tick(at + 3 * HB, 3) == () and link.tick(at + 30 * HB, 3) == ()
+    assert link.close() is None, "no session to say BYE with"
+
+
+def test_a_refusal_is_final_only_for_a_rejoin():
+    link = Link("w0", "copy")  # start(): the refusal is raised to the user instead
+    assert link.refused("taken: worker id 'w0' belongs to another process now") is None
+    assert link.state is LinkState.NEW
+    link = active()
+    assert link.refused("taken: ...") is None, "an active link is not re-joining"
+    assert link.state is LinkState.ACTIVE
 
 
 # --- the end --------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ import itertools
 
 import pytest
 
+from zmqsync._config import FIRST_WORD_S, LOST_AFTER_BEATS
 from zmqsync._errors import ProtocolError
 from zmqsync._protocol import (
     Ack,
@@ -51,8 +52,8 @@ def role(**options) -> PublisherRole:
     return r
 
 
-def hello(worker_id: str = "w", session: str = "", mode: str = "copy") -> Hello:
-    return Hello("", worker_id, 7, "host", mode, "cpu", "", session)
+def hello(worker_id: str = "w", session: str = "", mode: str = "copy", nonce: str = "") -> Hello:
+    return Hello("", worker_id, 7, "host", mode, "cpu", "", session, nonce)
 
 
 def join(r: PublisherRole, worker_id: str = "w", now: float = 0.0, **kw):
@@ -90,6 +91,51 @@ def test_handshakes_beyond_the_rate_are_busy_then_allowed_again():
     join(r, "w4", now=0.5)  # one token back after half a second
 
 
+def test_refusals_that_cost_nothing_spend_no_handshake_token():
+    r = role(handshake_rate=2.0, max_workers=2)  # a burst of 4
+    join(r, "live", now=0.0)
+    for _ in range(1000):  # a storm for a live worker's id
+        with pytest.raises(ProtocolError, match="busy: worker id 'live' is in use"):
+            r.admit(hello("live"), 0.0)
+    join(r, "b", now=0.0)
+    for _ in range(1000):  # a storm of new ids on a full bus
+        with pytest.raises(ProtocolError, match="bus full"):
+            r.admit(hello("new"), 0.0)
+    assert (r.counters["refused_ids"], r.counters["throttled"]) == (1000, 0)
+    assert r.queue.take("x", 0.0) and r.queue.take("y", 0.0), "two of four tokens left"
+
+
+def test_a_throttled_worker_keeps_its_place_in_line():
+    r = role(handshake_rate=2.0)  # a burst of 4, then one token every 0.5 s
+    for i in range(4):
+        join(r, f"w{i}", now=0.0)
+    with pytest.raises(ProtocolError, match="busy: too many handshakes"):
+        r.admit(hello("first"), 0.0)
+    with pytest.raises(ProtocolError, match="busy: too many handshakes"):
+        r.admit(hello("second"), 0.25)
+    with pytest.raises(ProtocolError, match="busy: too many handshakes"):
+        r.admit(hello("second"), 0.5)  # the token at 0.5 is first's
+    join(r, "first", now=0.5)
+    join(r, "second", now=1.0)
+    assert r.counters["throttled"] == 3
+
+
+def test_a_process_re_joins_by_its_nonce_and_a_former_holder_is_told_taken():
+    r = role()
+    lost, _ = join(r, "w", now=0.0, nonce="a" * 32)  # its WELCOME never arrived
+    again, replaced = join(r, "w", now=0.5, nonce="a" * 32)
+    assert replaced is not None and replaced.session == lost.session
+    assert lost.session in r.registry.displaced
+    assert again.session != lost.session
+    assert r.on_ack("w", again.session, 0, 1.0)
+    for member in r.drop_silent(now=4.5):  # then paused: silent for six beats
+        r.stop_for(member.session, "silent too long")
+    join(r, "w", now=4.5, nonce="b" * 32)  # another process takes the id
+    with pytest.raises(ProtocolError, match="taken: worker id 'w' belongs to another process"):
+        r.admit(hello("w", session=again.session, nonce="a" * 32), 5.0)
+    assert r.counters["refused_ids"] == 1
+
+
 def test_a_full_bus_refuses_new_ids_and_still_welcomes_known_ones():
     r = role(max_workers=1)
     join(r, "a")
@@ -118,9 +164,25 @@ def test_a_live_workers_id_is_refused_without_its_session():
 def test_a_silent_sessions_id_may_be_taken_by_anyone():
     r = role()
     first, _ = join(r, "w", now=0.0)
-    second, replaced = join(r, "w", now=3.01)  # 6 beats of 0.5 s: silent
+    r.on_worker_message(Heartbeat(BUS, 0, "w", first.session, 0), 1.0)
+    second, replaced = join(r, "w", now=4.01)  # 6 beats of 0.5 s: silent
     assert replaced is not None and replaced.session == first.session
     assert r.registry.displaced == {}
+
+
+def test_a_worker_gets_longer_for_its_first_word_than_for_the_next():
+    # its handshake (decode the WELCOME, map, subscribe, apply) may take longer than six
+    # short beats on a loaded host: dropped then, it would never get in
+    r = role(heartbeat=0.125)
+    welcome, _ = join(r, "w", now=0.0)
+    assert r.drop_silent(FIRST_WORD_S) == []
+    with pytest.raises(ProtocolError, match="busy:"):
+        join(r, "w", now=FIRST_WORD_S)
+    assert r.on_ack("w", welcome.session, 0, FIRST_WORD_S)
+    assert r.drop_silent(FIRST_WORD_S + 0.75) == []
+    assert [m.worker_id for m in r.drop_silent(FIRST_WORD_S + 0.875)] == ["w"]
+    join(r, "x", now=10.0)
+    assert [m.worker_id for m in r.drop_silent(10.0 + FIRST_WORD_S + 0.125)] == ["x"]
 
 
 def test_worker_messages_count_only_with_the_current_session():
@@ -142,14 +204,44 @@ def test_liveness_drops_silent_workers_and_numbers_each_stop():
     r = role()
     a, _ = join(r, "a", now=0.0)
     join(r, "b", now=0.0)
-    r.on_worker_message(Heartbeat(BUS, 0, "b", r.registry.members["b"].session, 0), 2.0)
+    r.on_worker_message(Heartbeat(BUS, 0, "a", a.session, 0), 1.0)
+    r.on_worker_message(Heartbeat(BUS, 0, "b", r.registry.members["b"].session, 0), 3.0)
     assert r.heartbeat_event() == Heartbeat(BUS, 0, "", "", 0)
-    assert r.drop_silent(3.0) == []
-    lost = r.drop_silent(3.01)
+    assert r.drop_silent(4.0) == []
+    lost = r.drop_silent(4.01)
     assert [m.worker_id for m in lost] == ["a"] and r.counters["lost"] == 1
     assert r.stop_for(a.session, "silent too long") == Stop(BUS, 1, a.session, "silent too long")
     assert r.heartbeat_event().seq == 1, "the heartbeat carries the last event seq"
     assert list(r.registry.members) == ["b"]
+
+
+def test_the_sweep_waits_for_unread_frames_but_not_for_ever():
+    r = role()  # six beats of 0.5 s
+    a, _ = join(r, "a", now=0.0)
+    r.on_worker_message(Heartbeat(BUS, 0, "a", a.session, 0), 1.0)
+    for beat in range(LOST_AFTER_BEATS):  # its last heartbeats may wait there, unread
+        assert r.drop_silent(5.0 + beat, unread=True) == []
+    assert [m.worker_id for m in r.drop_silent(11.0, unread=True)] == ["a"], "a flood"
+    b, _ = join(r, "b", now=20.0)
+    r.on_worker_message(Heartbeat(BUS, 0, "b", b.session, 0), 20.0)
+    assert r.drop_silent(24.0, unread=True) == [], "the count starts again"
+    assert [m.worker_id for m in r.drop_silent(24.5)] == ["b"]
+
+
+def test_a_dropped_session_that_still_beats_is_told_again_once_per_beat():
+    # its STOP went out before its subscription was live: it would beat with a dead
+    # session for ever, a member of nothing, never re-joining
+    r = role()
+    a, _ = join(r, "a", now=0.0)
+    assert r.gone("a", a.session, 1.0) is None, "a live session"
+    [dropped] = r.drop_silent(FIRST_WORD_S + 0.5)
+    assert r.stop_for(dropped.session, "silent too long").seq == 1
+    assert r.gone("a", a.session, 6.0) == Stop(BUS, 2, a.session, "not on the bus")
+    assert r.gone("a", a.session, 6.25) is None, "once per beat"
+    assert r.gone("a", a.session, 6.5) == Stop(BUS, 3, a.session, "not on the bus")
+    assert r.gone("a", "0" * 16, 7.0) is None, "a session this bus never issued"
+    assert r.gone("b", a.session, 7.0) is None, "nor another worker's"
+    assert r.counters["told_gone"] == 2
 
 
 def test_state_shows_workers_their_notes_and_extra_counters():

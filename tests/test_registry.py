@@ -17,8 +17,16 @@ from zmqsync._registry import Member, Registry, WorkerInfo
 BUS = "0123456789abcdef"
 
 
-def hello(worker_id: str, mode: str = "copy", pid: int = 100) -> Hello:
-    return Hello(BUS, worker_id, pid, "host", mode, "cpu")
+def hello(worker_id: str, mode: str = "copy", pid: int = 100, nonce: str = "") -> Hello:
+    return Hello(BUS, worker_id, pid, "host", mode, "cpu", "", "", nonce)
+
+
+NA, NB = "a" * 32, "b" * 32  # two processes' nonces
+
+
+def anyone(*worker_ids: str) -> list[tuple[str, str]]:
+    """Targets meaning whichever process holds each id."""
+    return [(w, "") for w in worker_ids]
 
 
 def started(slots: int = 2) -> Registry:
@@ -113,9 +121,9 @@ def test_a_reused_worker_id_replaces_the_old_process():
     assert reg.members["w0"].last_seen == 2.0
     assert reg.leave("w0", "old") is None
     assert reg.members["w0"] is new
-    assert reg.missing(1, ["w0"]) == ["w0"], "the new process still owes its ack"
+    assert reg.missing(1, reg.meant(["w0"])) == ["w0"], "the new process still owes its ack"
     assert reg.ack("w0", "new", 1, now=5.0)
-    assert reg.missing(1, ["w0"]) == []
+    assert reg.missing(1, reg.meant(["w0"])) == []
 
 
 def test_find_distinguishes_sessions():
@@ -148,11 +156,11 @@ def test_missing_lists_targets_on_the_bus_that_owe_an_ack():
         reg.join(hello(w), f"s{w}", now=0.0)
     publish(reg)
     reg.ack("b", "sb", 1, now=1.0)
-    assert reg.missing(1, ["c", "a", "b"]) == ["c", "a"], "in the targets' order"
-    assert reg.missing(1, ["a", "gone"]) == ["a"], "a target that left owes nothing"
-    assert reg.missing(0, ["a", "b", "c"]) == ["a", "c"]
+    assert reg.missing(1, anyone("c", "a", "b")) == ["c", "a"], "in the targets' order"
+    assert reg.missing(1, anyone("a", "gone")) == ["a"], "a target that left owes nothing"
+    assert reg.missing(0, anyone("a", "b", "c")) == ["a", "c"]
     reg.leave("a", "sa")
-    assert reg.missing(1, ["a", "b", "c"]) == ["c"]
+    assert reg.missing(1, anyone("a", "b", "c")) == ["c"]
 
 
 def test_infos_snapshot_with_wall_clock_last_seen():
@@ -364,6 +372,85 @@ def test_taking_the_id_of_a_silent_session_displaces_nothing():
     assert reg.claim(hello("w0", mode="alias", pid=7), now=10.0, silent_after=3.0) is None
     reg.join(hello("w0", mode="alias", pid=7), "s1", now=10.0)
     assert reg.displaced == {} and reg.members["w0"].pid == 7
+
+
+def test_a_process_proves_itself_by_its_nonce_without_the_session():
+    # its first HELLO was registered, but the WELCOME never reached it (its REQ gave up):
+    # the retry carries no session, only the nonce, and must not be refused by its own past
+    reg = started()
+    reg.join(hello("w0", nonce=NA), "s0", now=0.0)
+    assert reg.members["w0"].process == NA
+    assert reg.claim(hello("w0", nonce=NA), now=0.5, silent_after=3.0) is None
+    refusal = reg.claim(hello("w0", nonce=NB), now=0.5, silent_after=3.0)
+    assert refusal is not None and refusal.startswith("busy: worker id 'w0' is in use")
+    reg.join(hello("w0", mode="alias", nonce=NA), "s1", now=0.5)
+    assert list(reg.displaced) == ["s0"], "the same process: its old session is displaced"
+    assert reg.members["w0"].session == "s1" and reg.members["w0"].process == NA
+
+
+def test_a_former_holder_finds_its_id_taken_and_anyone_else_busy():
+    reg = started()
+    reg.join(hello("w0", pid=1, nonce=NA), "sa", now=0.0)
+    assert [m.worker_id for m in reg.evict(reg.silent(now=4.0, limit_s=3.0))] == ["w0"]
+    reg.join(hello("w0", pid=2, nonce=NB), "sb", now=4.0)
+    back = reg.claim(hello("w0", pid=1, nonce=NA), now=5.0, silent_after=3.0)
+    assert back is not None and back.startswith(
+        "taken: worker id 'w0' belongs to another process now (pid 2)"
+    )
+    other = reg.claim(hello("w0", pid=3, nonce="c" * 32), now=5.0, silent_after=3.0)
+    assert other is not None and other.startswith("busy:"), "a stranger may be a restart"
+    assert reg.claim(hello("w0", pid=3), now=5.0, silent_after=3.0) == other
+    # the holder goes silent: the id is free for anyone again, its former holder too
+    assert reg.claim(hello("w0", pid=1, nonce=NA), now=7.5, silent_after=3.0) is None
+
+
+def test_a_holder_that_took_a_silent_id_directly_makes_the_former_one_taken():
+    reg = started()
+    reg.join(hello("w0", pid=1, nonce=NA), "sa", now=0.0)
+    assert reg.claim(hello("w0", pid=2, nonce=NB), now=3.5, silent_after=3.0) is None
+    reg.join(hello("w0", pid=2, nonce=NB), "sb", now=3.5)
+    assert reg.displaced == {}, "another process: nothing of the old one is protected"
+    back = reg.claim(hello("w0", pid=1, nonce=NA), now=4.0, silent_after=3.0)
+    assert back is not None and back.startswith("taken:")
+
+
+def test_acks_count_for_the_process_a_publish_meant():
+    reg = started()
+    reg.join(hello("w0", nonce=NA), "sa", now=0.0)
+    publish(reg)
+    meant = reg.meant(["w0", "nobody"])
+    assert meant == (("w0", NA), ("nobody", ""))
+    assert reg.missing(1, meant) == ["w0"]
+    reg.evict(["w0"])  # dropped as silent
+    assert reg.missing(1, meant) == [], "gone: no longer owed"
+    reg.join(hello("w0", nonce=NB), "sb", now=5.0)
+    assert reg.ack("w0", "sb", 1, now=5.5)
+    assert reg.acked(1, meant) == [] and reg.missing(1, meant) == [], "another process's ack"
+    assert reg.acked(1, reg.meant(["w0"])) == ["w0"], "a publish made for the holder now"
+    assert reg.acked(1, anyone("w0")) == ["w0"]
+
+
+def test_a_re_join_of_the_same_process_is_still_the_one_meant():
+    reg = started()
+    reg.join(hello("w0", nonce=NA), "s0", now=0.0)
+    publish(reg)
+    meant = reg.meant(["w0"])
+    assert reg.ack("w0", "s0", 1, now=0.5)
+    reg.join(hello("w0", nonce=NA), "s1", now=1.0)  # lost its link, re-joined
+    assert reg.acked(1, meant) == [] and reg.missing(1, meant) == ["w0"]
+    assert reg.ack("w0", "s1", 1, now=1.5)
+    assert reg.acked(1, meant) == ["w0"] and reg.missing(1, meant) == []
+    reg.leave("w0", "s1")
+    assert reg.acked(1, meant) == ["w0"], "it acked before it left"
+
+
+def test_departed_processes_are_bounded_per_worker_id():
+    reg = started()
+    for i in range(20):
+        reg.join(hello("w0", nonce=f"{i:032x}"), f"{i:016x}", now=float(i))
+        reg.leave("w0", f"{i:016x}")
+    assert list(reg.departed) == ["w0"]
+    assert list(reg.departed["w0"]) == [f"{i:032x}" for i in range(12, 20)], "the newest 8"
 
 
 # --- the slot rule, written out once for speed, against its plain form ------------------

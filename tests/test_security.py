@@ -403,23 +403,35 @@ def test_curve_is_one_flag_away_on_one_host(ctx, name, bus_dirs, caplog):
     assert "has no CURVE: any local user can inspect this bus" in caplog.text
 
 
+def _hello_storm(ctx, address, count):
+    dealer = _raw(ctx, zmq.DEALER, address)
+    for i in range(count):
+        dealer.send_multipart([b"", encode(Hello("", f"storm-{i}", i, "h", "copy", "cpu"))])
+    answers = []
+    while dealer.poll(2000):
+        answers.append(decode(dealer.recv_multipart()[1]))
+    dealer.close()
+    assert len(answers) == count
+    return [a.reason for a in answers if a.TYPE == "error"]
+
+
 def test_hello_storm_is_throttled_and_capped(ctx, name):
+    # new ids beyond the handshake budget: refused "busy" (each one's id gets a place in line)
+    with zmqsync.Publisher(
+        {"w": torch.zeros(4)}, name=name, max_workers=1000, handshake_rate=100.0
+    ) as pub:
+        refused = _hello_storm(ctx, pub.address, 2000)
+        assert any(r.startswith("busy: too many handshakes") for r in refused)
+        assert len(pub.workers) <= 1000
+        assert pub.counters["throttled"] > 0
+    # beyond max_workers: "bus full", which costs no handshake (the budget stays for others)
     with zmqsync.Publisher(
         {"w": torch.zeros(4)}, name=name, max_workers=20, handshake_rate=100.0
     ) as pub:
-        dealer = _raw(ctx, zmq.DEALER, pub.address)
-        for i in range(2000):
-            dealer.send_multipart([b"", encode(Hello("", f"storm-{i}", i, "h", "copy", "cpu"))])
-        answers = []
-        while dealer.poll(2000):
-            answers.append(decode(dealer.recv_multipart()[1]))
-        dealer.close()
-        assert len(answers) == 2000
-        refused = [a.reason for a in answers if a.TYPE == "error"]
-        assert any(r.startswith("busy:") for r in refused)
+        refused = _hello_storm(ctx, pub.address, 2000)
         assert any(r.startswith("bus full") for r in refused)
-        assert len(pub.workers) <= 20
-        assert pub.counters["throttled"] > 0
+        assert len(pub.workers) == 20
+        assert pub.counters.get("throttled", 0) == 0 and pub.counters["handshakes"] == 20
     # after the storm a real worker can still join: storm members are dropped when silent
     with zmqsync.Publisher(
         {"w": torch.zeros(4)}, name=name, max_workers=2, handshake_rate=5.0

@@ -85,13 +85,25 @@ A subscriber sends an empty `bus`. A non-empty `bus` must be the publisher's own
 answer is ERROR (a publisher that restarted has a new `bus`). The publisher also answers
 ERROR while it is closing. A worker id belongs to one live session: a HELLO with a
 `worker_id` whose session is still alive (heard from within six heartbeats) is answered
-ERROR `busy: worker id … is in use by a live worker …`, unless its `session` is that
-session, which proves the same process is re-joining (a subscriber retries "busy"
-answers until its deadline). When a HELLO replaces a member, the new one gets a new
-`session`, messages carrying the old one are ignored, and a STOP for the old session
-goes out on events (reason `replaced`). If the old session belonged to the same process,
-the slot it may still compute with stays protected until the new session acks or the old
-one goes silent.
+ERROR `busy: worker id … is in use by a live worker …`, unless it proves it comes from
+that session's process: by its `nonce` (a secret of 32 hex digits the subscriber draws
+once and sends, unchanged, in every HELLO), or by that `session`. The nonce lets a
+process re-join although the WELCOME of an earlier HELLO never reached it (its REQ gave
+up first): the session that HELLO registered is its own. A HELLO whose `nonce` belonged
+to a process that held the id before, while another process holds it now, is answered
+ERROR `taken: worker id … belongs to another process now …`: final, a subscriber stops
+re-joining and reports it. A subscriber retries "busy" answers until its deadline. When a
+HELLO replaces a member, the new one gets a new `session`, messages carrying the old one
+are ignored, and a STOP for the old session goes out on events (reason `replaced`). If
+the old session belonged to the same process, the slot it may still compute with stays
+protected until the new session acks or the old one goes silent. Acks count for the
+process a publish was meant for: an ACK under the same `worker_id` from another process
+does not satisfy a publish made before it joined.
+
+HELLOs for a live worker's id, for a full bus, or while closing are refused before the
+handshake budget is spent (`handshake_rate` per second, a burst of two seconds' worth);
+a HELLO refused for the budget (`busy: too many handshakes`) gets its `worker_id` a place
+in line, and the next handshakes go to the ids in line in the order they first asked.
 
 `transport` is what the worker asks for: `"cuda"` when it computes on a GPU (or has no
 model and sees one), else `"cpu"`. On a bus without CUDA buffers every worker reads the
@@ -124,8 +136,11 @@ below). `seq` grows by exactly 1 per RECEIVE or STOP; a jump means events were m
 last version they applied and report `stopped`. `session` set: the worker holding that
 session is no longer a member: evicted by a publish that timed out with
 `on_timeout="evict"` (reason `"evicted"`) or silent for too long (reason
-`"silent too long"`). It may HELLO again. Every other subscriber ignores a STOP for a
-session not its own (but still counts its `seq`).""",
+`"silent too long"`), or a session dropped earlier whose worker still sends HEARTBEATs
+(reason `"not on the bus"`: it missed the first STOP, sent before its subscription was
+live; repeated at most once per beat, only for sessions the publisher issued). It may
+HELLO again. Every other subscriber ignores a STOP for a session not its own (but still
+counts its `seq`).""",
     P.Heartbeat: """\
 From the publisher, on events, every `heartbeat` seconds: `seq` = last event seq sent,
 `worker_id` and `session` empty, `version` = latest version. A subscriber that sees
@@ -136,9 +151,11 @@ From a subscriber, on acks, every `heartbeat` seconds: `seq` 0, its `worker_id` 
 `session`, `version` = the version it computes with (-1 before the first).
 
 Liveness: the publisher drops a member from which no ACK or HEARTBEAT came for
-{beats} × `heartbeat` seconds and sends STOP with its session. A subscriber that hears
+{beats} × `heartbeat` seconds (one not heard from since its WELCOME: {first_word} s at
+least, for its handshake) and sends STOP with its session. A subscriber that hears
 nothing of its bus on events for as long considers the publisher lost: it keeps
-computing with the last whole version and tries one handshake per `heartbeat`. A
+computing with the last whole version and tries a handshake at once, then one per
+`heartbeat`, each given at least {rejoin_min} s (more while they fail). A
 HEARTBEAT from another `bus` on the events endpoint means a new publisher serves the
 address: handshake again (new bus, new buffers).""",
     P.Ack: """\
@@ -155,7 +172,9 @@ already serves its `ipc://` address (it refuses to start if one answers).""",
     P.State: """\
 `workers[].last_seen` is seconds since that worker's last message, not a timestamp.
 `counters` includes publishes, handshakes, acks, stale, rejected, timeouts, evictions,
-lost, refused_ids, dropped_peers (a counter appears once it is non-zero), and always
+lost, refused_ids (HELLOs refused for a live worker's id), throttled (refused for the
+handshake budget), told_gone (STOPs sent again to dropped sessions still beating),
+dropped_peers (a counter appears once it is non-zero), and always
 `connections` (open now) and `refused_connections` (closed by the publisher because the
 bus was full, or refused at the handshake because the peer connected faster than its
 rate or its CURVE key is not allowed; see docs/security.md).""",
@@ -165,7 +184,8 @@ and STATE name its endpoint. Each TAP wraps one frame the publisher sent (`dir` 
 received (`dir` "in"), valid or not, so a sniffer decodes it with the same `decode` and
 sees rejected frames too (truncated to 4096 bytes). Handle bytes in a WELCOME are
 replaced by empty bytes, and every `session` (HELLO, WELCOME, ACK, HEARTBEAT, BYE, STOP)
-by a keyed hash of it: the same stand-in for the same session, worthless on the bus.
+and `nonce` (HELLO) by a keyed hash of it, as long as the secret: the same stand-in for
+the same secret, worthless on the bus.
 The tap socket has a small high-water mark and `XPUB_NODROP`: when a sniffer is slow or
 stopped the publisher's send fails at once and the frame is counted as `tap_dropped`;
 the bus never waits for a sniffer.""",
@@ -335,11 +355,14 @@ A subscriber:
 1. sends HELLO on a new REQ socket to the control address and polls for the answer
    with a deadline. Without an answer it closes that socket (linger 0) and tries again
    with a fresh one ("Lazy Pirate", {attempts} attempts sharing one deadline). ERROR
-   means it was refused: give up with the reason.
+   `busy: …` may be retried until the deadline; any other ERROR means it was refused:
+   give up with the reason.
 2. connects a SUB socket to `WELCOME.events`, subscribes to everything (`""`), and
    waits for the frame `{xpub_welcome}`: the publisher's XPUB sends it to each new
    subscriber once its subscription is live, so from then on no event can be missed.
-   That frame is not msgpack: skip it wherever it appears.
+   That frame is not msgpack: skip it wherever it appears. Without it after a while
+   (zmqsync waits a second, or two beats, then twice as long each time), connect a new
+   SUB socket and wait again.
 3. maps the segment (below) read-only and checks its header; connects a PUSH socket to
    `WELCOME.acks`.
 4. sets `last_seq = WELCOME.seq`, applies `WELCOME.version` from `WELCOME.slot` (or the
@@ -439,6 +462,8 @@ def _notes(cls: type[Any]) -> str:
     dtypes = ", ".join(f"`{name}` {size}" for name, size in P.DTYPES.items())
     return NOTES[cls].format(
         beats=_config.LOST_AFTER_BEATS,
+        first_word=f"{_config.FIRST_WORD_S:g}",
+        rejoin_min=f"{_config.REJOIN_MIN_S:g}",
         bye_wait=_config.CLOSE_BYE_WAIT_S,
         align=P.ALIGN,
         dtypes=dtypes,

@@ -36,6 +36,8 @@ __all__ = [
     "DEFAULT_SHM_DIR",
     "HANDSHAKE_ATTEMPTS",
     "LOST_AFTER_BEATS",
+    "FIRST_WORD_S",
+    "REJOIN_MIN_S",
     "MAX_MESSAGE_BYTES",
     "check_name",
     "default_worker_id",
@@ -61,6 +63,11 @@ XPUB_WELCOME = b"\x00zmqsync-subscribed"
 DEFAULT_SHM_DIR = "/dev/shm"
 HANDSHAKE_ATTEMPTS = 3  # Lazy Pirate: fresh REQ socket per attempt
 LOST_AFTER_BEATS = 6  # a peer silent for this many heartbeat intervals is lost
+# A worker's first word after its WELCOME may take this long at least (a handshake of
+# thousands of tensors on a loaded host) before the publisher calls it silent.
+FIRST_WORD_S = 5.0
+# A re-join's first deadline at least (then doubled while they fail; see Link).
+REJOIN_MIN_S = 2.0
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # the largest message of all: a WELCOME or a STATE
 SERVICE_S = 0.01  # how often the publisher's agent drains acks nobody is waiting for
 

@@ -11,7 +11,8 @@ States::
 
     NEW --welcome--> ACTIVE --silence, STOP, eviction, a new publisher--> LOST
                        ^                                                 |
-                       +------welcome (a handshake tried once per beat)---+
+                       +--welcome (a handshake at once, then once a beat)-+
+    LOST --a final refusal ("taken:")--> REFUSED
     any state --close--> CLOSED
 
 Invariants (the ZeroMQ Guide's Clone client, with liveness):
@@ -31,10 +32,18 @@ Invariants (the ZeroMQ Guide's Clone client, with liveness):
 5. **Liveness.** Any message of our bus is proof of life. An ACTIVE link becomes LOST
    when the publisher is silent for more than ``LOST_AFTER_BEATS`` heartbeats, on STOP
    for the bus (``stopped``) or for our session (evicted). LOST keeps the last whole
-   version and asks for a handshake once per heartbeat. Every HELLO carries the session
-   held now: it proves to the publisher that a re-join comes from this same process.
+   version and asks for a handshake at once, then once per heartbeat (a worker that
+   got CPU back after a long pause is back within a handshake, whatever the heartbeat),
+   each with a deadline that grows while they fail (`rejoin_deadline`). Every HELLO
+   carries the session held now and the worker's `nonce` (a secret drawn once per
+   subscriber): they prove to the publisher that a re-join comes from this same
+   process, also when the WELCOME of an earlier HELLO never arrived.
 6. **Heartbeats only while ACTIVE,** one per heartbeat interval.
-7. **CLOSED is final** and ignores everything.
+7. **A final refusal ends the re-joining.** A re-join refused with ``taken:`` (another
+   process holds the worker id now, see `Registry.claim`) makes the link REFUSED:
+   ``stopped``, the reason in ``refusal``, no session, no more handshakes. Any other
+   refusal (``busy:``, ``bus full``) is retried on the next beat.
+8. **CLOSED is final** and ignores everything.
 
 Threads: one thread drives a Link (the agent's). Other threads only read single
 attributes (`state`, `stopped`, `bus_id`, `session`, the counters).
@@ -47,10 +56,11 @@ import enum
 from dataclasses import dataclass
 from typing import TypeAlias
 
-from ._config import LOST_AFTER_BEATS
+from ._config import FIRST_WORD_S, LOST_AFTER_BEATS, REJOIN_MIN_S
 from ._protocol import Bye, Heartbeat, Hello, Message, Receive, Stop, Welcome
 
 __all__ = [
+    "FINAL_REFUSAL",
     "Action",
     "Handshake",
     "Link",
@@ -63,6 +73,8 @@ __all__ = [
 ]
 
 _COUNTERS = ("rejected", "foreign", "gaps")
+# What a publisher's ERROR starts with when no later HELLO of this process can succeed.
+FINAL_REFUSAL = "taken:"
 
 
 class LinkState(enum.Enum):
@@ -71,10 +83,16 @@ class LinkState(enum.Enum):
     # ACTIVE: a WELCOME adopted; events applied in seq order, heartbeats both ways.
     ACTIVE = 1
     # LOST: silence, STOP or eviction: keep the last whole version, report
-    #       connected == False, try a handshake once per heartbeat.
+    #       connected == False, try a handshake at once, then once per heartbeat.
     LOST = 2
     # CLOSED: final; nothing more is done or sent.
     CLOSED = 3
+    # REFUSED: a re-join was refused for good (the worker id belongs to another process
+    #          now): keep the last whole version, stopped, no more handshakes.
+    REFUSED = 4
+
+
+_QUIET = (LinkState.NEW, LinkState.CLOSED, LinkState.REFUSED)  # no beats, no handshakes
 
 
 # --- what a Link asks its owner to do ------------------------------------------------------
@@ -137,11 +155,16 @@ class Link:
         mode: "copy" or "alias" (in HELLO).
         counters: where to count ``rejected``, ``foreign`` and ``gaps`` (the keys are
             added if missing); None: a new dict.
+        nonce: the secret this worker sends in every HELLO (32 hex digits, drawn once by
+            its owner): proves to the publisher that each HELLO comes from this process.
     """
 
-    def __init__(self, worker_id: str, mode: str, counters: dict[str, int] | None = None) -> None:
+    def __init__(
+        self, worker_id: str, mode: str, counters: dict[str, int] | None = None, nonce: str = ""
+    ) -> None:
         self.worker_id = worker_id
         self.mode = mode
+        self.nonce = nonce
         self.state = LinkState.NEW
         self.bus_id = ""  # of the WELCOME adopted last
         self.session = ""  # ours on that bus: proves a re-join, echoed in ACK/HEARTBEAT/BYE
@@ -150,7 +173,9 @@ class Link:
         self.heartbeat = 0.5  # interval, seconds (the publisher's)
         self.last_heard = 0.0  # when a message of our bus last arrived
         self.next_tick = 0.0  # `tick` has nothing to do before this
-        self.stopped = False  # the publisher closed the bus (until a WELCOME)
+        self.stopped = False  # the publisher closed the bus (until a WELCOME), or refused us
+        self.refusal = ""  # REFUSED: the publisher's reason
+        self._rejoin_s = 0.0  # the next re-join's deadline, once one failed (0: the floor)
         self.counters = counters if counters is not None else {}
         for key in _COUNTERS:
             self.counters.setdefault(key, 0)
@@ -162,8 +187,39 @@ class Link:
     # --- handshake -------------------------------------------------------------------------
 
     def hello(self, pid: int, host: str, transport: str, note: str) -> Hello:
-        """The HELLO to send now, with the session held now ("" before the first WELCOME)."""
-        return Hello("", self.worker_id, pid, host, self.mode, transport, note, self.session)
+        """The HELLO to send now: the session held now ("" before the first WELCOME) and
+        the nonce, the same in every HELLO."""
+        return Hello(
+            "", self.worker_id, pid, host, self.mode, transport, note, self.session, self.nonce
+        )
+
+    def rejoin_deadline(self) -> float:
+        """Seconds the re-join asked for now may take (see invariant 5).
+
+        Two beats, but at least REJOIN_MIN_S: on a loaded host a handshake (a WELCOME of
+        thousands of tensors decoded, the buffers mapped, the subscription confirmed)
+        takes longer than two short beats. Doubled after each attempt that failed
+        (`rejoin_failed`), up to what the publisher waits for a new session's first word
+        (FIRST_WORD_S, or six beats if longer): a re-join that had to fit in a fixed
+        time might never converge, and one that takes longer than that would be
+        dropped before it could say a word.
+        """
+        floor = max(2 * self.heartbeat, REJOIN_MIN_S)
+        ceiling = max(FIRST_WORD_S, LOST_AFTER_BEATS * self.heartbeat)
+        return min(max(floor, self._rejoin_s), ceiling)
+
+    def rejoin_failed(self, seconds: float) -> None:
+        """A re-join given `seconds` failed: the next one gets twice as long."""
+        self._rejoin_s = 2 * seconds
+
+    def refused(self, reason: str) -> Stopped | None:
+        """A handshake was refused with `reason`. Stopped when that is final (a re-join
+        told ``taken:``): the link is REFUSED, holds no session and asks for no more
+        handshakes. None otherwise: the next beat tries again (or start() reports it)."""
+        if self.state is not LinkState.LOST or not reason.startswith(FINAL_REFUSAL):
+            return None
+        self.state, self.stopped, self.refusal, self.session = LinkState.REFUSED, True, reason, ""
+        return Stopped(reason)
 
     def fallback_hello(self, hello: Hello, welcome: Welcome, transport: str, note: str) -> Hello:
         """A second HELLO registering another transport (the CUDA buffer `welcome` offered
@@ -188,7 +244,7 @@ class Link:
         """
         if self.state is LinkState.CLOSED:
             return None
-        self.state, self.stopped = LinkState.ACTIVE, False
+        self.state, self.stopped, self._rejoin_s = LinkState.ACTIVE, False, 0.0
         self.bus_id, self.session, self.slots = welcome.bus, welcome.session, welcome.slots
         self.last_seq, self.heartbeat, self.last_heard = welcome.seq, welcome.heartbeat, now
         self.next_tick = min(self.next_tick, now + welcome.heartbeat)
@@ -266,7 +322,7 @@ class Link:
     def tick(self, now: float, version: int) -> tuple[Heartbeat | Lost | Handshake, ...]:
         """What is due at `now` (nothing before `next_tick`); `version` is the one the
         worker computes with, for its HEARTBEAT."""
-        if now < self.next_tick or self.state in (LinkState.NEW, LinkState.CLOSED):
+        if now < self.next_tick or self.state in _QUIET:
             return ()
         self.next_tick = now + self.heartbeat
         if self.state is LinkState.LOST:
@@ -311,4 +367,5 @@ class Link:
         if self.state is not LinkState.ACTIVE:
             return None
         self.state = LinkState.LOST
+        self.next_tick = 0.0  # the first handshake at once: a beat may be long
         return Lost(reason)

@@ -113,6 +113,7 @@ DTYPES: dict[str, int] = {
 }
 
 _HEX16 = re.compile(r"^[0-9a-f]{16}\Z")  # \Z: "$" would let a final "\n" in
+_HEX32 = re.compile(r"^[0-9a-f]{32}\Z")
 _SEGMENT = re.compile(r"^zmqsync-[A-Za-z0-9_.-]{1,160}\Z")
 
 
@@ -432,6 +433,7 @@ class Hello:
     transport: str
     transport_note: str = ""
     session: str = ""
+    nonce: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -680,6 +682,11 @@ FIELDS: dict[type[Any], dict[str, tuple[Check, str]]] = {
         "session": (
             _SESSION,
             "empty, or the session it holds now: proves a re-join of the same process",
+        ),
+        "nonce": (
+            _text(32, _HEX32),
+            "a secret the worker drew once, the same in every HELLO it sends: proves it is "
+            "the same process; empty: no proof but the session",
         ),
     },
     Welcome: {

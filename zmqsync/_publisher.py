@@ -61,7 +61,7 @@ from ._protocol import (
 )
 from ._publisher_agent import IO_LOCK_S, Agent, Shared
 from ._publisher_role import PublisherRole
-from ._registry import WorkerInfo
+from ._registry import Meant, WorkerInfo
 from ._security import (
     CurveServer,
     forget_keys,
@@ -97,18 +97,23 @@ _DEVICE_BUFFER: Any = CudaBuffer
 
 
 class Publish:
-    """The handle of one published version: who acked, who is missing, how long it took."""
+    """The handle of one published version: who acked, who is missing, how long it took.
+
+    Its targets are worker ids *and* the processes that held them when it was published:
+    an ack from another process that took one of those ids since does not count.
+    """
 
     def __init__(
         self,
         ledger: _Ledger,
         version: int,
-        targets: tuple[str, ...],
+        meant: tuple[Meant, ...],
         started: float,
         pending: Pending | None = None,
     ) -> None:
         self.version = version
-        self.targets = targets
+        self.targets = tuple(w for w, _ in meant)
+        self._meant = meant
         self._ledger = ledger
         self._started = started
         self._returned = time.perf_counter()  # when publish() handed this back
@@ -142,11 +147,12 @@ class Publish:
         """Targets that acknowledged this version (before leaving, if they left)."""
         if self._acked is not None:
             return self._acked
-        return self._ledger.acked(self.version, self.targets)
+        return self._ledger.acked(self.version, self._meant)
 
     @property
     def missing(self) -> tuple[str, ...]:
-        """Targets that did not ack: still on the bus, evicted, dropped as silent, or gone."""
+        """Targets that did not ack: still on the bus, evicted, dropped as silent, gone, or
+        whose id another process holds now."""
         acked = set(self.acked)
         return tuple(w for w in self.targets if w not in acked)
 
@@ -160,7 +166,7 @@ class Publish:
         """True once no target still on the bus is missing."""
         if self._finished is not None:
             return True
-        return not self._ledger.missing(self.version, self.targets)
+        return not self._ledger.missing(self.version, self._meant)
 
     def wait(self, timeout: float | None = DEFAULT) -> Publish:
         """Block until every target acked, then return self.
@@ -177,7 +183,7 @@ class Publish:
         deadline = Deadline(ledger.timeout if timeout is DEFAULT else timeout)
         if self._pending is not None:  # announced only once written
             self._pending.wait(deadline.remaining())
-        acked = ledger.wait(self.version, self.targets, deadline)
+        acked = ledger.wait(self.version, self._meant, deadline)
         if self._finished is None:
             self._finished = time.perf_counter()
             self._acked = acked
@@ -193,9 +199,9 @@ class _Ledger:
     """What a `Publish` handle asks its publisher: who acked a version, who is missing,
     and to wait for the rest (with the publisher's default timeout)."""
 
-    acked: Callable[[int, tuple[str, ...]], tuple[str, ...]]
-    missing: Callable[[int, tuple[str, ...]], list[str]]
-    wait: Callable[[int, tuple[str, ...], Deadline], tuple[str, ...]]
+    acked: Callable[[int, tuple[Meant, ...]], tuple[str, ...]]
+    missing: Callable[[int, tuple[Meant, ...]], list[str]]
+    wait: Callable[[int, tuple[Meant, ...], Deadline], tuple[str, ...]]
     timeout: float | None
 
 
@@ -598,7 +604,8 @@ class Publisher:
             else:
                 slot = self._claim_slot(deadline) if slot is None else self._reserved(slot)
             with self._cond:
-                targets = tuple(self._registry.members) if workers is None else tuple(workers)
+                ids = self._registry.members if workers is None else workers
+                targets = self._registry.meant(ids)
             pending = None
             if self._writer is not None and fill is None:
                 pending = self._write_overlapped(slot, version, flat, named)
@@ -871,7 +878,7 @@ class Publisher:
                 self._on_deadline(self._registry.latest + 1, (), blockers, "still hold every slot")
 
     def _wait_for_acks(
-        self, version: int, targets: tuple[str, ...], deadline: Deadline
+        self, version: int, targets: tuple[Meant, ...], deadline: Deadline
     ) -> tuple[str, ...]:
         """Wait for every target's ack of `version`; the targets that acked (see
         `_on_deadline` for what happens to the others)."""
@@ -883,15 +890,15 @@ class Publisher:
                 self._on_deadline(version, acked, missing, "did not ack")
             return tuple(self._registry.acked(version, targets))
 
-    def _acked_now(self, version: int, targets: tuple[str, ...]) -> tuple[str, ...]:
+    def _acked_now(self, version: int, targets: tuple[Meant, ...]) -> tuple[str, ...]:
         with self._cond:
             return tuple(self._registry.acked(version, targets))
 
-    def _missing_now(self, version: int, targets: tuple[str, ...]) -> list[str]:
+    def _missing_now(self, version: int, targets: tuple[Meant, ...]) -> list[str]:
         with self._cond:
             return self._registry.missing(version, targets)
 
-    def _all_acked(self, version: int, targets: tuple[str, ...]) -> Callable[[], bool]:
+    def _all_acked(self, version: int, targets: tuple[Meant, ...]) -> Callable[[], bool]:
         """A check, asked after every ack (under `_cond`), of whether no target is missing.
 
         Asking `Registry.missing` each time costs O(targets) per ack, O(N^2) per publish
@@ -905,11 +912,14 @@ class Publisher:
         def ready() -> bool:
             members = registry.members
             while pending:
-                member = members.get(pending[-1])
+                worker_id, process = pending[-1]
+                member = members.get(worker_id)
                 if member is not None and member.acked < version:
-                    return False
+                    if not process or member.process == process:
+                        return False
                 pending.pop()
-            pending.extend(registry.missing(version, targets))
+            missing = set(registry.missing(version, targets))
+            pending.extend(t for t in targets if t[0] in missing)
             return not pending
 
         return ready

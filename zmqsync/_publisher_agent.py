@@ -37,10 +37,12 @@ from ._protocol import (
     BufferInfo,
     Bye,
     Error,
+    Heartbeat,
     Hello,
     Inspect,
     Message,
     State,
+    Stop,
     Tap,
     Welcome,
     ack_pattern,
@@ -131,6 +133,8 @@ class Agent:
         self._control_ipc = shared.address.startswith("ipc://")
         self._tap_key = secrets.token_bytes(16)  # see `_redacted`
         self._orphaned = False  # stop() was called on this thread (see stop)
+        self._unread = False  # the last drain of the acks socket left frames there
+        self._stops: list[tuple[Stop, str]] = []  # to send once the registry lock is free
 
     def start(self) -> None:
         self._thread.start()
@@ -425,6 +429,7 @@ class Agent:
             if changed:
                 with shared.cond:
                     shared.cond.notify_all()
+            self._send_stops()
 
     def _collect_batches(self, reader: Any, done: Callable[[], bool], deadline: Deadline) -> None:
         """`collect` with the native reader: every turn takes what is queued (at least
@@ -461,6 +466,7 @@ class Agent:
             if changed:
                 with shared.cond:
                     shared.cond.notify_all()
+            self._send_stops()
 
     def _read_part(self, item: tuple[Any, ...]) -> Message | None:
         """A message the native reader did not take as an ACK, as a message (or None).
@@ -491,19 +497,29 @@ class Agent:
             self._mirror("out", peer, frame)
 
     def _redacted(self, msg: Message, frame: bytes) -> bytes:
-        """`frame` as a sniffer may see it: sessions replaced by a keyed hash.
+        """`frame` as a sniffer may see it: sessions and nonces replaced by a keyed hash.
 
         A session is a worker's capability: whoever knows it can ACK (or BYE) as that
-        worker, or re-join in its place. The tap shows the same stand-in for the same
-        session, so a capture still tells one session's messages apart from another's.
+        worker, or re-join in its place; a HELLO's nonce proves a worker's process, so
+        whoever knows it can take that worker's place too. The tap shows the same
+        stand-in for the same secret, so a capture still tells one session's (or one
+        process's) messages apart from another's.
         """
         session = getattr(msg, "session", None)
         if session is None:  # a message without a session field is shown as it is
             return frame
-        if session:
-            session = hashlib.blake2b(session.encode(), key=self._tap_key, digest_size=8)
-            session = session.hexdigest()
-        return encode(dataclasses.replace(cast(Any, msg), session=session))
+        secrets_of = {"session": self._stand_in(session)}
+        if isinstance(msg, Hello):
+            secrets_of["nonce"] = self._stand_in(msg.nonce)
+        return encode(dataclasses.replace(cast(Any, msg), **secrets_of))
+
+    def _stand_in(self, secret: str) -> str:
+        """A keyed hash of `secret` ("" stays ""), in hex as long as the secret (so the
+        redacted message still passes the field's check)."""
+        if not secret:
+            return ""
+        size = max(1, len(secret) // 2)
+        return hashlib.blake2b(secret.encode(), key=self._tap_key, digest_size=size).hexdigest()
 
     def _mirror(self, direction: str, peer: str, frame: bytes) -> None:
         """Copy a frame to the tap, if open; never blocks (drops are counted)."""
@@ -642,6 +658,7 @@ class Agent:
                 messages.append(msg)
             if not budget.spend(len(part)):
                 break
+        self._unread = readable(acks)  # the liveness sweep waits for what is left
         if messages:
             with shared.cond:
                 changed = False
@@ -649,6 +666,7 @@ class Agent:
                     changed |= self._on_worker_message(msg, now)
                 if changed:
                     shared.cond.notify_all()
+            self._send_stops()
 
     def _read(self, part: zmq.Frame) -> Message | None:
         """A frame from the acks socket as a message; None (counted) if it is not one.
@@ -692,17 +710,29 @@ class Agent:
         return msg
 
     def _on_worker_message(self, msg: Message, now: float) -> bool:
-        """Apply one worker message (caller holds `cond`); True if waiters should look."""
+        """Apply one worker message (caller holds `cond`); True if waiters should look.
+        A STOP for a dropped session still beating is sent by `_send_stops`, after."""
         changed = self.role.on_worker_message(msg, now)
         if changed and isinstance(msg, Bye):
             log.info("worker %s left", msg.worker_id)
+        elif isinstance(msg, Heartbeat) and msg.worker_id:
+            stop = self.role.gone(msg.worker_id, msg.session, now)
+            if stop is not None:
+                self._stops.append((stop, msg.worker_id))
         return changed
+
+    def _send_stops(self) -> None:
+        """Send the STOPs `_on_worker_message` decided on (caller holds `_io`)."""
+        while self._stops:
+            stop, worker_id = self._stops.pop(0)
+            log.info("worker %s beats with a session no longer on the bus: told", worker_id)
+            self.send_event(stop, worker_id)
 
     def _beat(self, now: float) -> None:
         role = self.role
         self.send_event(role.heartbeat_event())
         with self.shared.cond:
-            lost = role.drop_silent(now)
+            lost = role.drop_silent(now, unread=self._unread)
             if lost:
                 self.shared.cond.notify_all()
             members = role.registry.members

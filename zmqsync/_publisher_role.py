@@ -4,18 +4,24 @@ Like h11's `Connection`, `PublisherRole` knows every rule and touches no socket,
 clock: the agent thread decodes what arrives, hands it over with `now`, and sends what
 comes back. The rules, in the order a worker meets them:
 
-* **Admission** (`admit`): no HELLO while closing; HELLOs beyond `handshake_rate` per
-  second (a burst of two seconds' worth) get ``busy:`` (retried by real subscribers);
-  a new worker id beyond `max_workers`, or beyond what the connection budget allows,
-  gets ``bus full``; a worker id whose session is alive gets ``busy:`` unless the
-  HELLO proves it is that session's process (see `Registry.claim`).
+* **Admission** (`admit`): no HELLO while closing; a worker id whose session is alive
+  gets ``busy:`` unless the HELLO proves it is that session's process, or ``taken:`` if
+  it comes from a process that held the id before (see `Registry.claim`); a new worker
+  id beyond `max_workers`, or beyond what the connection budget allows, gets ``bus
+  full``. Only then is a handshake token spent: beyond `handshake_rate` per second the
+  HELLO gets ``busy:`` (retried by real subscribers) and its id a place in line (see
+  `HandshakeQueue`). Refusals that cost nothing more than their answer come first, so
+  a flood of them never spends the budget honest workers need.
 * **Welcome** (`welcome`): a new session, the member registered at the latest version,
   a WELCOME naming the endpoints, buffers and manifest; the session it replaces (if
   any) is told STOP, under the next event seq.
 * **Worker messages** (`on_worker_message`): ACK, HEARTBEAT and BYE count only with the
-  sender's current session; anything else is counted and changes nothing.
-* **Liveness** (`tick`): a HEARTBEAT carrying the last event seq (gap detection for
-  subscribers), and a STOP for every worker silent for LOST_AFTER_BEATS heartbeats.
+  sender's current session; anything else is counted and changes nothing. A worker that
+  still beats with a session this bus dropped missed its STOP: `gone` sends it again.
+* **Liveness** (`drop_silent`): a HEARTBEAT carrying the last event seq (gap detection
+  for subscribers), and a STOP for every worker silent for LOST_AFTER_BEATS heartbeats
+  (a worker not heard from since its WELCOME: FIRST_WORD_S at least, for its
+  handshake), counted once what workers sent is read.
 * **Events** are numbered here (`seq`): whoever sends them holds the lock that orders
   the sends on the events socket, and takes the next number under it.
 
@@ -31,8 +37,9 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 
 from ._buffers.transport import registered
-from ._config import LOST_AFTER_BEATS
+from ._config import FIRST_WORD_S, LOST_AFTER_BEATS
 from ._errors import ProtocolError
+from ._handshake_queue import HandshakeQueue
 from ._protocol import (
     Ack,
     BufferInfo,
@@ -82,15 +89,17 @@ class PublisherRole:
         self.heartbeat = heartbeat
         self.slot_bytes, self.manifest = slot_bytes, manifest
         self.max_workers, self.handshake_rate = max_workers, handshake_rate
-        self.registry = Registry(slots)
+        self.registry = Registry(slots, first_word_s=FIRST_WORD_S)
         self.counters: Counter[str] = Counter()
         self.seq = 0  # of the last event sent (RECEIVE or STOP)
         self.endpoints = Endpoints("", "", "", ())
         self.cuda = False  # some tensors live in CUDA buffers (set once they exist)
         self.closing = False
         self._new_session = new_session
-        self._tokens, self._tokens_at = 2 * handshake_rate, now
+        self.queue = HandshakeQueue(handshake_rate, now, places=max(max_workers, 64))
         self._notes: dict[str, tuple[str, str]] = {}  # worker id -> (session, transport note)
+        self._sweeps_put_off = 0  # liveness sweeps in a row left for unread frames
+        self._told: dict[str, float] = {}  # gone session -> when `gone` last told it
 
     @property
     def silent_after(self) -> float:
@@ -114,14 +123,9 @@ class PublisherRole:
         """
         if self.closing:
             raise ProtocolError("the publisher is closing")
-        self._tokens = min(
-            2 * self.handshake_rate, self._tokens + (now - self._tokens_at) * self.handshake_rate
-        )
-        self._tokens_at = now
-        if self._tokens < 1:
-            self.counters["throttled"] += 1
-            raise ProtocolError("busy: too many handshakes, retry later")
-        self._tokens -= 1
+        if refusal := self.registry.claim(hello, now, self.silent_after):
+            self.counters["refused_ids"] += 1
+            raise ProtocolError(refusal)  # "busy:" is retried: the holder may go silent
         known = hello.worker_id in self.registry.members
         if not known and len(self.registry.members) >= self.max_workers:
             raise ProtocolError(f"bus full: {self.max_workers} workers (max_workers)")
@@ -130,6 +134,9 @@ class PublisherRole:
                 "bus full: no room for more connections under the publisher's file "
                 "descriptor limit; raise its `ulimit -n`"
             )
+        if not self.queue.take(hello.worker_id, now):
+            self.counters["throttled"] += 1
+            raise ProtocolError("busy: too many handshakes, retry later")
         transport, note = registered(hello.transport, hello.transport_note, self.cuda)
         return dataclasses.replace(hello, transport=transport, transport_note=note)
 
@@ -138,11 +145,12 @@ class PublisherRole:
         it replaced (tell that session with `stop_for(old.session, "replaced")`).
 
         Raises:
-            ProtocolError: ``busy:`` the worker id belongs to a live session.
+            ProtocolError: the worker id belongs to a live session of another process
+                now (``busy:`` or ``taken:``, see `Registry.claim`).
         """
         if refusal := self.registry.claim(hello, now, self.silent_after):
             self.counters["refused_ids"] += 1
-            raise ProtocolError(f"busy: {refusal}")  # retried: it may go silent
+            raise ProtocolError(refusal)
         session = self._new_session()
         old = self.registry.members.get(hello.worker_id)
         self.registry.join(hello, session, now)
@@ -227,6 +235,22 @@ class PublisherRole:
         self.counters["rejected"] += 1
         return False
 
+    def gone(self, worker_id: str, session: str, now: float) -> Stop | None:
+        """The STOP to send (again) to `session` of `worker_id` if this bus dropped it
+        while its worker still speaks (a HEARTBEAT came): it missed its STOP, which went
+        out before its subscription was live (the STOP of a session dropped while its
+        worker was still in its handshake). At most once per beat per session; None for
+        a live session and for one this bus never issued (forged: it gets nothing)."""
+        if self.registry.gone_sessions.get(session) != worker_id:
+            return None
+        if now - self._told.get(session, -self.heartbeat) < self.heartbeat:
+            return None
+        if len(self._told) >= 4096:
+            self._told.clear()
+        self._told[session] = now
+        self.counters["told_gone"] += 1
+        return self.stop_for(session, "not on the bus")
+
     def on_ack(self, worker_id: str, session: str, version: int, now: float) -> bool:
         """An ACK of this bus (its fields, from `read_ack`, or from `on_worker_message`);
         True if it counted."""
@@ -240,8 +264,20 @@ class PublisherRole:
         """The publisher's HEARTBEAT: the last event seq, for subscribers' gap checks."""
         return Heartbeat(self.bus_id, self.seq, "", "", self.registry.latest)
 
-    def drop_silent(self, now: float) -> list[Member]:
-        """Workers silent for too long, removed (tell each with `stop_for`)."""
+    def drop_silent(self, now: float, *, unread: bool = False) -> list[Member]:
+        """Workers silent for too long, removed (tell each with `stop_for`).
+
+        Args:
+            unread: frames the last drain left on the acks socket (its budget ran out):
+                a worker may look silent only because its last words are not read yet,
+                as on a host where the publisher got no CPU for a while. The sweep waits
+                for them, at most LOST_AFTER_BEATS beats in a row (so that a flood of
+                frames cannot keep the dead on the bus).
+        """
+        if unread and self._sweeps_put_off < LOST_AFTER_BEATS:
+            self._sweeps_put_off += 1
+            return []
+        self._sweeps_put_off = 0
         lost = self.registry.evict(self.registry.silent(now, self.silent_after))
         self.counters["lost"] += len(lost)
         return lost

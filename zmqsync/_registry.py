@@ -8,13 +8,22 @@ never handed out for writing** — except with slots=1, where the only slot must
 rewritten under the seqlock while alias readers hold it (they detect it; see
 `Subscriber.reading`).
 
-Identity: a worker id belongs to one live session at a time. A HELLO for an id whose
-session is alive is refused (`claim`) unless it carries that session, the proof that it
-comes from the same process re-joining; two processes that share an id by accident, or
-a peer that forges one, cannot take over a live worker's place. The session a re-join
-replaces is *displaced*: it is no longer a member (no acks expected, told STOP), but the
-slot it may still compute with stays protected until the new session acks (the process
-has moved on) or it goes silent.
+Identity: a worker id belongs to one live session at a time, and each member remembers
+the *process* it belongs to: the secret `nonce` its subscriber drew once and sends in
+every HELLO (or, from a peer that sends none, its session). A HELLO for an id whose
+session is alive is refused (`claim`) unless it proves it comes from that same process,
+by its nonce or by the live session: two processes that share an id by accident, or a
+peer that forges one, cannot take over a live worker's place, and a process is never
+refused because of a session it registered itself but never learnt of (a WELCOME lost
+on the way). A process that held the id earlier (its nonce is among those that left it)
+and finds another process holding it now is told so: ``taken:``, final.
+
+The session a re-join of the same process replaces is *displaced*: it is no longer a
+member (no acks expected, told STOP), but the slot it may still compute with stays
+protected until the new session acks (the process has moved on) or it goes silent.
+
+Acks are counted per process: a publish remembers which process each target was
+(`meant`), and an ack of the same worker id from another process does not count for it.
 """
 
 from __future__ import annotations
@@ -24,7 +33,12 @@ from dataclasses import dataclass
 
 from ._protocol import Hello
 
-__all__ = ["Member", "Registry", "WorkerInfo"]
+__all__ = ["Meant", "Member", "Registry", "WorkerInfo"]
+
+# A publish's target: the worker id and the process it meant by it ("": whoever holds it).
+Meant = tuple[str, str]
+_DEPARTED_IDS = 10_000  # worker ids whose last processes are remembered (for acked/claim)
+_DEPARTED_PER_ID = 8  # processes remembered per worker id
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +69,8 @@ class Member:
     floor: int  # the version it was welcomed with: it never reads anything older
     acked: int = -1
     last_seen: float = 0.0  # monotonic
+    process: str = ""  # the HELLO's nonce, else the session: which process this is
+    heard: bool = False  # a message came from this session since its WELCOME
 
     def busy_with(self, version: int, latest: int) -> bool:
         """Whether this worker may be reading `version` now or (alias) computing with it:
@@ -69,30 +85,45 @@ class Member:
 class Registry:
     """Members, slot contents and the slot-choice rule."""
 
-    def __init__(self, slots: int) -> None:
+    def __init__(self, slots: int, first_word_s: float = 0.0) -> None:
+        # A member not heard from since its WELCOME counts as silent only after this
+        # long at least: its handshake (decoding the WELCOME, mapping, subscribing) may
+        # take longer than a few short beats on a loaded host.
+        self.first_word_s = first_word_s
         self.members: dict[str, Member] = {}
         self.displaced: dict[str, Member] = {}  # session -> replaced member (see above)
         self.slot_versions = [-1] * slots
         self.latest = -1
-        # last acked version of workers that left (for Publish.acked); bounded
-        self.departed: dict[str, int] = {}
+        # worker id -> {process: last acked version} of the processes that held it and
+        # left (for Publish.acked, and to tell a former holder its id is taken); bounded
+        self.departed: dict[str, dict[str, int]] = {}
+        # session -> worker id of the sessions dropped, replaced or gone; bounded (see
+        # `PublisherRole.gone`: one still heard from missed its STOP)
+        self.gone_sessions: dict[str, str] = {}
 
     # --- membership ---
 
     def claim(self, hello: Hello, now: float, silent_after: float) -> str | None:
-        """Why `hello` may not take its worker id now, or None if it may.
+        """Why `hello` may not take its worker id now (the ERROR reason), or None if it may.
 
-        It may when the id is free, when the HELLO proves it is the same process (it
-        carries the live session), or when the live session has been silent for longer
-        than `silent_after` (its process is gone; the sweep just has not run yet).
+        It may when the id is free, when the HELLO proves it comes from the process
+        holding the id (its nonce, or the live session), or when the live session has
+        been silent for longer than `silent_after` (its process is gone; the sweep just
+        has not run yet). Otherwise ``busy:`` (the holder may still go silent: retried),
+        or ``taken:`` for a process that held the id before (final: another process
+        took it while this one was silent, and is alive).
         """
         old = self.members.get(hello.worker_id)
-        if old is None or (hello.session and hello.session == old.session):
+        if old is None or _same_process(hello, old) or self._silent(old, now, silent_after):
             return None
-        if now - old.last_seen > silent_after:
-            return None
+        if hello.nonce and hello.nonce in self.departed.get(hello.worker_id, ()):
+            return (
+                f"taken: worker id {hello.worker_id!r} belongs to another process now (pid "
+                f"{old.pid}), which took it while this one was silent; this worker's acks "
+                "no longer count: restart it (under a worker_id of its own)"
+            )
         return (
-            f"worker id {hello.worker_id!r} is in use by a live worker (pid {old.pid}); "
+            f"busy: worker id {hello.worker_id!r} is in use by a live worker (pid {old.pid}); "
             "give each worker its own worker_id (the default is unique)"
         )
 
@@ -111,14 +142,22 @@ class Registry:
             hello.transport,
             floor=self.latest,
             last_seen=now,
+            process=hello.nonce or session,
         )
         old = self.members.get(hello.worker_id)
         if old is not None:
             self._remember(old)
-            if hello.session == old.session:
+            if _same_process(hello, old):
                 self.displaced[old.session] = old
         self.members[hello.worker_id] = member
         return member
+
+    def meant(self, worker_ids: Iterable[str]) -> tuple[Meant, ...]:
+        """Targets for a publish: each worker id with the process that holds it now."""
+        members = self.members
+        return tuple(
+            (w, m.process if (m := members.get(w)) is not None else "") for w in worker_ids
+        )
 
     def find(self, worker_id: str, session: str) -> Member | None:
         """The live member with this id *and* session; stale incarnations get None."""
@@ -129,7 +168,7 @@ class Registry:
         member = self.find(worker_id, session)
         if member is None or version > self.latest:
             return False
-        member.last_seen = now
+        member.last_seen, member.heard = now, True
         member.acked = max(member.acked, version)
         if self.displaced:  # the process computes with `version` now: it let go
             for old in [m for m in self.displaced.values() if m.worker_id == worker_id]:
@@ -139,7 +178,7 @@ class Registry:
     def seen(self, worker_id: str, session: str, now: float) -> bool:
         member = self.find(worker_id, session)
         if member is not None:
-            member.last_seen = now
+            member.last_seen, member.heard = now, True
         return member is not None
 
     def leave(self, worker_id: str, session: str) -> Member | None:
@@ -155,25 +194,48 @@ class Registry:
         return gone
 
     def _remember(self, member: Member) -> None:
-        if len(self.departed) >= 10_000:
-            self.departed.pop(next(iter(self.departed)))
-        self.departed[member.worker_id] = member.acked
+        gone = self.gone_sessions
+        if len(gone) >= _DEPARTED_IDS:
+            gone.pop(next(iter(gone)))
+        gone[member.session] = member.worker_id
+        departed = self.departed
+        kept = departed.pop(member.worker_id, None)  # back in at the end: the newest
+        if kept is None:
+            kept = {}
+            if len(departed) >= _DEPARTED_IDS:
+                departed.pop(next(iter(departed)))
+        kept.pop(member.process, None)
+        kept[member.process] = member.acked
+        if len(kept) > _DEPARTED_PER_ID:
+            kept.pop(next(iter(kept)))
+        departed[member.worker_id] = kept
 
-    def acked(self, version: int, targets: Iterable[str]) -> list[str]:
-        """Targets that acknowledged `version`, including ones that left since."""
+    def acked(self, version: int, targets: Iterable[Meant]) -> list[str]:
+        """Targets whose meant process acknowledged `version`, including ones that left
+        since; an ack from another process holding the same worker id does not count."""
         out = []
-        for w in targets:
+        for w, process in targets:
             member = self.members.get(w)
-            done = member.acked if member is not None else self.departed.get(w, -1)
+            if member is not None and (not process or member.process == process):
+                done = member.acked
+            else:
+                gone = self.departed.get(w, {})
+                done = gone.get(process, -1) if process else max(gone.values(), default=-1)
             if done >= version:
                 out.append(w)
         return out
 
     def silent(self, now: float, limit_s: float) -> list[str]:
-        """Members silent for longer than `limit_s`; displaced ones that are go at once."""
+        """Members silent for longer than `limit_s` (one never heard from since its
+        WELCOME: `first_word_s` at least); displaced ones that are go at once."""
         for old in [m for m in self.displaced.values() if now - m.last_seen > limit_s]:
             del self.displaced[old.session]
-        return [w for w, m in self.members.items() if now - m.last_seen > limit_s]
+        return [w for w, m in self.members.items() if self._silent(m, now, limit_s)]
+
+    def _silent(self, member: Member, now: float, limit_s: float) -> bool:
+        if not member.heard:
+            limit_s = max(limit_s, self.first_word_s)
+        return now - member.last_seen > limit_s
 
     # --- versions and slots ---
 
@@ -225,12 +287,26 @@ class Registry:
         """Workers holding slots when none is free (the ones to blame or evict)."""
         return sorted({w for s in range(len(self.slot_versions)) for w in self.holders(s)})
 
-    def missing(self, version: int, targets: Iterable[str]) -> list[str]:
-        """Targets still on the bus that have not acknowledged `version`."""
-        return [w for w in targets if w in self.members and self.members[w].acked < version]
+    def missing(self, version: int, targets: Iterable[Meant]) -> list[str]:
+        """Targets whose meant process is still on the bus and has not acknowledged
+        `version` (one whose id another process holds now is gone, not missing)."""
+        members, out = self.members, []
+        for w, process in targets:
+            member = members.get(w)
+            if member is not None and member.acked < version:
+                if not process or member.process == process:
+                    out.append(w)
+        return out
 
     def infos(self, wall_offset: float) -> dict[str, WorkerInfo]:
         return {
             w: WorkerInfo(w, m.pid, m.host, m.acked, m.mode, m.transport, m.last_seen + wall_offset)
             for w, m in self.members.items()
         }
+
+
+def _same_process(hello: Hello, member: Member) -> bool:
+    """Whether `hello` proves it comes from `member`'s process: its nonce, or the session."""
+    if hello.nonce and hello.nonce == member.process:
+        return True
+    return bool(hello.session) and hello.session == member.session

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
+import math
 import os
 import socket
 import struct
@@ -286,15 +287,20 @@ def request(
     deadline: Deadline,
     attempts: int = HANDSHAKE_ATTEMPTS,
     secure: Secure = None,
+    cancelled: Callable[[], bool] | None = None,
 ) -> Message:
     """One REQ/REP exchange that cannot hang: Lazy Pirate.
 
     A REQ socket that got no reply is stuck in its send/recv lockstep, so it is closed
     (linger=0) and replaced before the next attempt. The attempts share one deadline.
 
+    Args:
+        cancelled: asked every CANCEL_CHECK_S while waiting for the reply: True ends
+            the wait at once (ConnectTimeout), as for a thread told to stop.
+
     Raises:
         ConnectTimeout: no reply within the deadline (also what an unauthorized CURVE
-            client sees: the publisher never answers it).
+            client sees: the publisher never answers it), or `cancelled`.
         ProtocolError: the reply is not a valid message.
     """
     for attempt in range(1, attempts + 1):
@@ -304,10 +310,12 @@ def request(
             req.sndtimeo = share if share < 0 else max(share, 1)  # a send nobody takes
             with contextlib.suppress(zmq.Again):
                 req.send(encode(msg))
-                if req.poll(share) & zmq.POLLIN:
+                if _reply_within(req, share, cancelled):
                     return decode(req.recv())
         finally:
             req.close()
+        if cancelled is not None and cancelled():
+            raise ConnectTimeout(f"the request to {address} was cancelled")
         log.debug("no reply from %s (attempt %d/%d)", address, attempt, attempts)
     if address.startswith("ipc://"):  # where the two sides look for the socket file
         same = "with the same name (or address) and the same ZMQSYNC_RUNTIME_DIR on both sides"
@@ -317,3 +325,21 @@ def request(
         f"no publisher answered at {address} within {deadline.total:.1f} s; is it started, "
         f"{same} (and, for CURVE, with your public key allowed)?"
     )
+
+
+CANCEL_CHECK_S = 0.1  # how often a cancellable wait asks whether it was cancelled
+
+
+def _reply_within(req: zmq.Socket[bytes], ms: int, cancelled: Callable[[], bool] | None) -> bool:
+    """Whether a reply is readable on `req` within `ms` (-1: no limit), asking
+    `cancelled` in between."""
+    if cancelled is None:
+        return bool(req.poll(ms) & zmq.POLLIN)
+    end = None if ms < 0 else time.monotonic() + ms / 1000
+    while not cancelled():
+        left = CANCEL_CHECK_S if end is None else min(CANCEL_CHECK_S, end - time.monotonic())
+        if req.poll(max(0, math.ceil(left * 1000))) & zmq.POLLIN:
+            return True
+        if end is not None and time.monotonic() >= end:
+            return False
+    return False

@@ -39,6 +39,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import secrets
 import socket
 import threading
 import time
@@ -88,7 +89,15 @@ from ._protocol import (
     template_pieces,
 )
 from ._security import CurveClient, found_keys
-from ._sockets import NOBLOCK, Secure, connect, request, resolve_endpoint, send_bytes
+from ._sockets import (
+    CANCEL_CHECK_S,
+    NOBLOCK,
+    Secure,
+    connect,
+    request,
+    resolve_endpoint,
+    send_bytes,
+)
 from ._text import printable
 
 __all__ = ["Reading", "Subscriber"]
@@ -97,6 +106,8 @@ log = logging.getLogger(__name__)
 _APPLY_ATTEMPTS = 100
 _WAKE = b"\x01"  # from the subscriber's own inproc PUB: look at the flags (never a message)
 _WAIT_CAP_S = 0.1
+# The first turn of the wait for a subscription's confirmation (then a new connection).
+SUBSCRIBE_TURN_S = 1.0
 _NEVER = 1 << 63  # above any version: nobody waits for one
 _P = ParamSpec("_P")
 _A = TypeVar("_A")
@@ -241,8 +252,10 @@ class Subscriber:
             "foreign": 0,
             "gaps": 0,
         }
-        # Driven by the agent thread only (from start()); this thread reads its state.
-        self._link = Link(self.worker_id, mode, self.counters)
+        # Driven by the agent thread only (from start()); this thread reads its state. The
+        # nonce, drawn once, proves to the publisher that every HELLO of this Subscriber
+        # comes from the same process (see `Registry.claim`); the tap never shows it.
+        self._link = Link(self.worker_id, mode, self.counters, nonce=secrets.token_hex(16))
 
     # --- lifecycle -----------------------------------------------------------------
 
@@ -346,8 +359,22 @@ class Subscriber:
 
     @property
     def stopped(self) -> bool:
-        """True after the publisher closed the bus (until a new publisher answers)."""
+        """True after the publisher closed the bus (until a new publisher answers), and
+        for good once it refused this worker (see `refusal`)."""
         return self._link.stopped
+
+    @property
+    def refusal(self) -> str:
+        """Why the publisher refused this worker for good, or "" (it has not).
+
+        A worker paused (or starved of CPU) for longer than the publisher waits for a
+        silent one loses its worker id, and another process may take it (a supervisor
+        that restarted "the same" worker, or a second process with the same fixed id).
+        When this one comes back, the publisher says so (``taken: worker id ... belongs
+        to another process now ...``): from then on this Subscriber is `stopped`, keeps
+        its last version, and its waits raise ProtocolError with that reason.
+        """
+        return self._link.refusal
 
     @property
     def weights(self) -> Any:
@@ -372,6 +399,9 @@ class Subscriber:
 
         Args:
             timeout: how long to wait for a version to arrive (0: do not wait).
+
+        Raises:
+            ProtocolError: the publisher refused this worker for good (see `refusal`).
         """
         self._check_usable()
         if self.apply != "manual":
@@ -395,6 +425,10 @@ class Subscriber:
         """Block until `version` (or newer) is applied; False if the deadline passed.
 
         In manual mode this applies pending versions itself (it is a safe point).
+
+        Raises:
+            ProtocolError: the publisher refused this worker for good (see `refusal`):
+                no version will come.
         """
         if self._version >= version:  # first: a thread that waits for each next version
             return True  # comes here once per version, with cold caches
@@ -464,6 +498,11 @@ class Subscriber:
     def _check_usable(self) -> None:
         if self._failure is not None:
             raise ZmqSyncError(f"subscriber agent failed: {self._failure!r}") from self._failure
+        if refusal := self._link.refusal:
+            raise ProtocolError(
+                f"worker {self.worker_id!r} was refused by the publisher at {self.address}: "
+                f"{printable(refusal)}"
+            )
         if self._closed or self._link.state is LinkState.NEW:
             state = "closed" if self._closed else "not started"
             raise ClosedError(f"Subscriber {self.name!r} is {state}")
@@ -979,6 +1018,7 @@ class _Agent:
                 deadline=deadline,
                 attempts=attempts,
                 secure=self.port.secure,
+                cancelled=self._cancelled,
             )
             if not (isinstance(reply, Error) and reply.reason.startswith("busy:")):
                 break
@@ -986,10 +1026,13 @@ class _Agent:
             # gone silent yet): retry while a retry can still get an answer in time, then
             # report the refusal rather than a timeout.
             left = deadline.remaining()
-            if left is not None and left < 0.25:
+            if (left is not None and left < 0.25) or self._terminating:
                 break
             time.sleep(0.05)
         if isinstance(reply, Error):
+            final = self.link.refused(reply.reason)
+            if final is not None:
+                self._give_up(final)
             raise ProtocolError(f"the publisher at {address} refused us: {reply.reason}")
         if not isinstance(reply, Welcome):
             raise ProtocolError(f"expected WELCOME, got {reply.TYPE}")
@@ -999,7 +1042,30 @@ class _Agent:
         return reply
 
     def _subscribe(self, endpoint: str, deadline: Deadline, heartbeat: float) -> None:
-        """Connect SUB and wait until the publisher confirms the subscription is live."""
+        """Connect SUB and wait until the publisher confirms the subscription is live.
+
+        The wait is in turns (SUBSCRIBE_TURN_S or two beats, doubling each turn): a
+        connection whose confirmation has not come by the end of a turn is replaced by a
+        new one, rather than waited on for the whole deadline (on a saturated host a
+        worker once waited its whole timeout on one that never confirmed).
+        """
+        turn = max(SUBSCRIBE_TURN_S, 2 * heartbeat)
+        while True:
+            events = self._connect_events(endpoint, heartbeat)
+            this_turn = Deadline(deadline.wait_s(turn))
+            while not this_turn.expired() and not self._terminating:
+                if events.poll(this_turn.poll_ms(cap_s=CANCEL_CHECK_S)) & zmq.POLLIN:
+                    if events.recv() == XPUB_WELCOME:
+                        return
+            if deadline.expired() or self._terminating:
+                raise ConnectTimeout(f"no subscription confirmation from {endpoint} in time")
+            log.debug(
+                "no subscription confirmation from %s in %.1f s: reconnecting", endpoint, turn
+            )
+            turn *= 2
+
+    def _connect_events(self, endpoint: str, heartbeat: float) -> zmq.Socket[bytes]:
+        """A new SUB on `endpoint` (and on the wake-up pipe), replacing the one there was."""
         if self.events is not None:
             self.events.close()
         # The largest legal event: a RECEIVE of the largest bus, with its `changed` bitmap
@@ -1010,10 +1076,7 @@ class _Agent:
         # The loop's longest wait: a fraction of a beat, and short enough that a lost
         # wake-up frame still lets close() finish soon.
         self.events.rcvtimeo = max(1, int(min(heartbeat / 2, _WAIT_CAP_S) * 1000))
-        while self.events.poll(deadline.poll_ms(cap_s=self.port.timeout)) & zmq.POLLIN:
-            if self.events.recv() == XPUB_WELCOME:
-                return
-        raise ConnectTimeout(f"no subscription confirmation from {endpoint} in time")
+        return self.events
 
     def _loop(self) -> None:
         # One blocking recv() on the SUB socket, not a poller over several sockets: a
@@ -1124,9 +1187,16 @@ class _Agent:
             self._rejoin()
 
     def _rejoin(self) -> None:
-        """LOST: one short handshake attempt (the Link asks once per beat)."""
+        """LOST: one handshake attempt (the Link asks at once, then once per beat), with
+        the deadline the Link gives it (`Link.rejoin_deadline`: not shorter than a
+        handshake on a loaded host, growing while attempts fail). An attempt cut short
+        costs nothing but time: the next HELLO carries the same nonce, so the session
+        the publisher registered for the one given up on never stands in its way. Every
+        wait in it ends at once when the Subscriber closes.
+        """
+        seconds = self.link.rejoin_deadline()
         try:
-            self._handshake(Deadline(self.link.heartbeat * 2), attempts=1)
+            self._handshake(Deadline(seconds), attempts=1)
             log.info(
                 "subscriber %s re-joined %s at version %d",
                 self.link.worker_id,
@@ -1137,7 +1207,22 @@ class _Agent:
             # BufferUnavailable: the segment a WELCOME named is gone — its publisher was
             # killed and the next one's start collected it. The next attempt gets the
             # new publisher's WELCOME; giving up here would strand the worker for good.
+            self.link.rejoin_failed(seconds)
             log.debug("re-handshake failed: %s", printable(exc))
+
+    def _cancelled(self) -> bool:
+        return self._terminating
+
+    def _give_up(self, refused: Stopped) -> None:
+        """A final refusal (the Link is REFUSED): close the bus's sockets, wake waiters."""
+        log.warning("subscriber %s stops: %s", self.link.worker_id, printable(refused.reason))
+        self._follower = None
+        with self._send_lock:
+            for sock in (self.events, self.acks):
+                if sock is not None:
+                    sock.close()
+            self.events = self.acks = None
+        self._do(refused)
 
     def _ack(self, version: int) -> None:
         """ACK from a template: bus and session change only on a re-join (the worker id

@@ -6,7 +6,9 @@ It holds the weights itself (no model), optionally verifies every version agains
 and when it re-joined, and a summary at the end, also when stopped with Ctrl-C or
 SIGTERM. On a terminal the versions are one live line; otherwise one line each. With
 ``--json`` every event is one JSON line on stdout (``joined``, ``applied``, ``lost``,
-``rejoined``, ``closed``, ``summary``), which is what tests, the demo and the soak read.
+``rejoined``, ``closed``, ``refused``, ``summary``), which is what tests, the demo and the
+soak read. A worker the publisher refuses for good (its id taken by another process
+while it was paused) ends with that reason and a non-zero status.
 
 The ``applied`` line is printed by the apply thread inside `on_update`, before the ack:
 once a publish returned, every worker's line for it is in its pipe. Everything else is
@@ -28,6 +30,7 @@ from types import FrameType
 from typing import IO, Any
 
 from ._checksum import CHECKSUM_KEY, digest, stored_digest
+from ._errors import ProtocolError
 from ._layout import Key
 from ._subscriber import Subscriber
 from ._text import printable
@@ -232,6 +235,26 @@ class _Watch:
             f"{sub.version}; waiting for a publisher to answer there again"
         )
 
+    def refused(self) -> None:
+        """The publisher refused this worker for good: say why (the reason comes last,
+        as the error the command ends with)."""
+        sub = self.sub
+        if self.out.as_json:
+            self.out.json(
+                {
+                    "event": "refused",
+                    "worker": sub.worker_id,
+                    "bus": self.bus,
+                    "version": sub.version,
+                    "reason": sub.refusal,
+                }
+            )
+            return
+        self.out.say(
+            f"the publisher at {printable(sub.address)} refused this worker for good; "
+            f"it stops at version {sub.version}"
+        )
+
     def _rejoined(self) -> None:
         sub = self.sub
         new_bus = sub.bus_id != self.bus
@@ -319,6 +342,9 @@ def run_worker(
 
     Raises:
         NothingToVerify: `verify` on a bus that publishes no ``_checksum``.
+        ProtocolError: the publisher refused the worker for good, after the summary (its
+            worker id belongs to another process now: it was paused or starved past the
+            publisher's patience, and another process took the id meanwhile).
     """
     out = _Output(stream if stream is not None else sys.stdout, as_json)
     signals = _Signals()
@@ -351,11 +377,18 @@ def run_worker(
             watch.tick()
             if until_version is not None and sub.version >= until_version:
                 break
-            if sub.stopped and not forever:
+            if sub.refusal or (sub.stopped and not forever):
                 break
         summary = verifier.summary(sub)
     out.end()
+    if sub.refusal:  # final, also with --forever: another process holds its worker id
+        watch.refused()
     _print_summary(out, summary, verify)
+    if sub.refusal:
+        raise ProtocolError(
+            f"worker {printable(sub.worker_id)} was refused by the publisher at "
+            f"{printable(sub.address)}: {printable(sub.refusal)}"
+        )
     return 1 if summary["mismatches"] or summary["unverifiable"] else 0
 
 
