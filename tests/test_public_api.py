@@ -20,6 +20,7 @@ ERRORS = {
     "BufferUnavailable": OSError,
     "ClosedError": RuntimeError,
     "ConnectTimeout": TimeoutError,
+    "FdLimitTooLow": OSError,
     "LayoutMismatch": ValueError,
     "ProtocolError": None,
     "PublishTimeout": TimeoutError,

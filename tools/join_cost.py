@@ -14,8 +14,10 @@ A storm runs in its own process, bounded in time, against the side's bus on this
 only (ipc:// or 127.0.0.1), from a little before the joins until the round's publish:
 
 ``none``      nothing: the undisturbed join.
-``events``    connect() + close() in a loop on the events socket (the tap with ``tap``).
-``tap``       the same on the tap socket (the trainer opens one).
+``events``    connect() + close() in a loop on the events socket (tools/connect_storm.py).
+``zmtp``      the same, each connection greeted as a SUB up to the publisher's answer, so
+              that every one reaches the handshake (connect_storm.py ``--mode zmtp``).
+``tap``       connect() + close() on the tap socket (the trainer opens one).
 ``hello``     a real worker holds the id ``storm-held``; then HELLOs for that id, with no
               session, as fast as a few DEALER sockets take them.
 ``curve``     the trainer binds ``tcp://127.0.0.1`` with ``curve=True``; the storm
@@ -55,6 +57,8 @@ JOIN_S = 30.0  # a worker's start() timeout: past it the join counts as failed
 PUBLISH_S = 10.0
 STORM_LEAD_S = 1.0  # the storm runs this long before the joins start
 HELD_ID = "storm-held"
+CONNECT_STORM = HERE.parent / "connect_storm.py"
+_CONNECTS = ("events", "zmtp", "tap", "curve")
 
 
 def _die_with_parent() -> None:
@@ -150,24 +154,6 @@ def worker(address: str, name: str) -> int:
     return 0
 
 
-def _storm_connect(target: str, until: float) -> int:
-    """connect() + close() on `target` (an ipc path or host:port) until `until`."""
-    count = 0
-    if target.startswith("ipc://"):
-        family, where = socket.AF_UNIX, target[len("ipc://") :]
-        addr: Any = where
-    else:
-        host, port = target[len("tcp://") :].rsplit(":", 1)
-        family, addr = socket.AF_INET, (host, int(port))
-    while time.monotonic() < until:
-        s = socket.socket(family, socket.SOCK_STREAM)
-        with contextlib.suppress(OSError):
-            s.connect(addr)
-            count += 1
-        s.close()
-    return count
-
-
 def _storm_hello(address: str, name: str, until: float) -> int:
     """Hold `HELD_ID` with a real worker, then send HELLOs for it with no session."""
     import zmq
@@ -216,9 +202,7 @@ def storm(kind: str, target: str, name: str, seconds: float) -> int:
     until = time.monotonic() + seconds
     count = 0
     threading.Timer(0.0, lambda: _say(event="storming")).start()
-    if kind in ("events", "tap", "curve"):
-        count = _storm_connect(target, until)
-    elif kind == "hello":
+    if kind == "hello":
         count = _storm_hello(target, name, until)
     elif kind == "burn":
         count = _burn(until)
@@ -232,9 +216,9 @@ def storm(kind: str, target: str, name: str, seconds: float) -> int:
 class _Proc:
     """A role subprocess driven by lines on stdin, answering JSON lines on stdout."""
 
-    def __init__(self, args: list[str], env: dict[str, str]) -> None:
+    def __init__(self, args: list[str], env: dict[str, str], script: bool = True) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, str(HERE), *args],
+            [sys.executable, *([str(HERE)] if script else []), *args],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             env=env,
@@ -290,7 +274,7 @@ class Side:
             w.next(READY_S)
 
     def _target(self) -> str:
-        if self.storm in ("events", "curve"):
+        if self.storm in ("events", "zmtp", "curve"):
             return str(self.events)
         return str(self.tap) if self.storm == "tap" else self.address
 
@@ -372,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument(
-        "--storms", nargs="+", default=["none"], help="none events tap hello curve burn"
+        "--storms", nargs="+", default=["none"], help="none events zmtp tap hello curve burn"
     )
     parser.add_argument("--burn", type=int, default=2 * (os.cpu_count() or 1))
     parser.add_argument("--storm-seconds", type=float, default=JOIN_S + 20.0)

@@ -33,11 +33,10 @@ import zmq
 
 from ._admission import UNKNOWN_PEER, Admission, Budget, Refusal, Verdict, peer_of
 from ._config import CONTROL_CONNECTIONS, FD_RESERVE_MIN
-from ._errors import ZmqSyncError
+from ._errors import FdLimitTooLow
 from ._sockets import NOBLOCK, duplicate, shut_down, socket_peer
 
 __all__ = [
-    "FdLimitTooLow",
     "Gate",
     "connection_budget",
     "open_descriptors",
@@ -57,18 +56,6 @@ _ZAP_PER_TURN = 256  # ZAP requests answered per turn
 _ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # where libzmq sends them (RFC 27)
 MIN_CONNECTIONS = CONTROL_CONNECTIONS + 8  # what a bus needs: control, and a few workers
 HEADROOM = FD_RESERVE_MIN // 2  # members' connections past the budget, out of the reserve
-
-
-class FdLimitTooLow(ZmqSyncError, OSError):
-    """The file descriptor limit cannot hold a bus; raise `ulimit -n`."""
-
-    def __init__(self, message: str, *, limit: int, needed: int) -> None:
-        super().__init__(message)
-        self.limit = limit
-        self.needed = needed
-
-    def __str__(self) -> str:
-        return str(self.args[0])
 
 
 def raise_fd_limit() -> int:

@@ -7,6 +7,7 @@
   x LayoutMismatch      (also ValueError)     publish() got other keys/shapes/dtypes
   x SharedMemoryFull    (also OSError)        .path .needed .free
   x BufferUnavailable   (also OSError)        a segment the publisher named cannot be mapped
+  x FdLimitTooLow       (also OSError)        .limit .needed: `ulimit -n` cannot hold a bus
   x ClosedError         (also RuntimeError)   the Publisher/Subscriber was closed
 
 Each error also subclasses the matching built-in, so ordinary ``except TimeoutError``
@@ -22,6 +23,7 @@ __all__ = [
     "BufferUnavailable",
     "ClosedError",
     "ConnectTimeout",
+    "FdLimitTooLow",
     "LayoutMismatch",
     "ProtocolError",
     "PublishTimeout",
@@ -91,6 +93,22 @@ class BufferUnavailable(ZmqSyncError, OSError):
         return str(self.args[0])
 
 
+class FdLimitTooLow(ZmqSyncError, OSError):
+    """The file descriptor limit cannot hold a bus; raise `ulimit -n`.
+
+    Refused at start: under a limit this small libzmq's ipc listener would abort the
+    whole process on EMFILE once peers connect.
+    """
+
+    def __init__(self, message: str, *, limit: int, needed: int) -> None:
+        super().__init__(message)
+        self.limit = limit
+        self.needed = needed
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
 class ClosedError(ZmqSyncError, RuntimeError):
     """The Publisher or Subscriber was closed (or never started)."""
 
@@ -103,6 +121,7 @@ for _cls in (
     LayoutMismatch,
     SharedMemoryFull,
     BufferUnavailable,
+    FdLimitTooLow,
     ClosedError,
 ):
     _cls.__module__ = "zmqsync"
