@@ -211,3 +211,44 @@ def test_a_subscription_never_confirmed_is_asked_again_on_a_new_connection(bus_d
                 server.join(10)
     finally:
         fake.close()
+
+
+@pytest.mark.timeout(300)
+def test_a_relay_root_paused_past_liveness_rejoins_the_trainers_bus(spawn, burners, name):
+    """The relay root's feed is a worker of the trainer's bus like any other: starved past
+    liveness on a host busy six times over (the trainer's heartbeat at 0.25 s, a
+    2,000-tensor model, so that one handshake takes longer than a beat), it is back and
+    acking within a few beats of getting CPU again."""
+    heartbeat = 0.25
+    with zmqsync.Publisher(_model(), name=name, heartbeat=heartbeat, timeout=60) as pub:
+        root = spawn(
+            "relay", "--root", "--name", name, "--init-method", "tcp://127.0.0.1:0",
+            "--ack", "relays", "--heartbeat", str(heartbeat), "--json",
+        )  # fmt: skip
+        root.wait_for(lambda r: r.get("event") == "started", timeout=120)
+        assert pub.wait_for_workers(1, timeout=60), "the root never joined the trainer's bus"
+        (root_id,) = pub.workers
+        _acking_soon(pub, [root_id], within=30.0)
+        hot = burners(12, 120)
+        root.stop()  # SIGSTOP, every thread stopped
+        end = time.monotonic() + heartbeat * 6 + 30
+        while root_id in pub.workers:
+            assert time.monotonic() < end, "the paused root was never dropped"
+            time.sleep(0.05)
+        version = pub.publish(wait=False).version  # while it is away
+        handshakes = pub.counters["handshakes"]
+        t0 = time.monotonic()
+        root.proc.send_signal(signal.SIGCONT)
+        limit = 10.0  # a few beats, and a handshake on a host busy three times over
+        while not _acked(pub, root_id, version):
+            assert time.monotonic() - t0 < limit, (
+                f"the root was not back within {limit:.0f} s (counters {pub.counters})"
+            )
+            time.sleep(0.02)
+        tries = pub.counters["handshakes"] - handshakes
+        print(f"relay root back and acking {time.monotonic() - t0:.2f} s after SIGCONT, "
+              f"{tries} handshakes", file=sys.stderr)  # fmt: skip
+        # one handshake, not one per beat that each ran out of time before its WELCOME
+        assert tries <= 2, f"{tries} handshakes to get back in (counters {pub.counters})"
+        Burners.stop(hot)
+        _acking_soon(pub, [root_id], within=10.0)
