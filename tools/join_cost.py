@@ -172,6 +172,7 @@ def _storm_hello(address: str, name: str, until: float) -> int:
         s.connect(address)
         socks.append(s)
     count = 0
+    _say(event="storming")
     try:
         while time.monotonic() < until:
             for s in socks:
@@ -201,10 +202,10 @@ def storm(kind: str, target: str, name: str, seconds: float) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     until = time.monotonic() + seconds
     count = 0
-    threading.Timer(0.0, lambda: _say(event="storming")).start()
     if kind == "hello":
         count = _storm_hello(target, name, until)
     elif kind == "burn":
+        _say(event="storming")
         count = _burn(until)
     _say(stormed=count)
     return 0
@@ -232,8 +233,12 @@ class _Proc:
     def _read(self, out: IO[str]) -> None:
         for line in out:
             if line.startswith("{"):
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:  # two threads' lines run together: not ours
+                    continue
                 with self._cond:
-                    self.lines.append(json.loads(line))
+                    self.lines.append(record)
                     self._cond.notify_all()
 
     def send(self, line: str) -> None:
@@ -281,12 +286,16 @@ class Side:
     def round(self, seconds: float, burn: int) -> dict[str, Any]:
         storms: list[_Proc] = []
         sniff = {"sniff_quiet": self._sniff()} if self.storm == "tap" else {}
-        if self.storm != "none":
+        if self.storm in _CONNECTS:  # no zmqsync in it: the same storm for every side
+            mode = "zmtp" if self.storm == "zmtp" else "raw"
+            cmd = [str(CONNECT_STORM), self._target(), "--mode", mode, "--seconds", str(seconds)]
+            storms.append(_Proc(cmd, self.env, script=False))
+            time.sleep(STORM_LEAD_S)
+        elif self.storm != "none":
             kinds = ["burn"] * burn if self.storm == "burn" else [self.storm]
             for kind in kinds:
-                storms.append(
-                    _Proc(["_storm", kind, self._target(), self.name, str(seconds)], self.env)
-                )
+                role = ["_storm", kind, self._target(), self.name, str(seconds)]
+                storms.append(_Proc(role, self.env))
             for s in storms:
                 s.next(60.0)  # storming
             time.sleep(STORM_LEAD_S if self.storm != "hello" else STORM_LEAD_S + 2.0)
