@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -30,11 +31,13 @@ def main() -> int:
     if kind.startswith("mixed"):
         model = Mixed().to(torch.bfloat16) if kind == "mixed-bf16" else Mixed()
     last = [-1]
+    printing = threading.Lock()  # the agent's on_update and the main thread both report
 
     def report(version: int) -> None:
         flat = flatten(model) if model is not None else dict(sub.tensors)
         line = {"event": "applied", "version": version, "checksum": digest(flat)}
-        print(json.dumps(line), flush=True)
+        with printing:
+            print(json.dumps(line), flush=True)
         last[0] = version
 
     sub = zmqsync.Subscriber(
