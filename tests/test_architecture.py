@@ -64,12 +64,14 @@ CORE = (
     "zmqsync._admission",
     "zmqsync._apply",
     "zmqsync._buffers",
+    "zmqsync._checks",
     "zmqsync._checksum",
     "zmqsync._config",
     "zmqsync._connections",
     "zmqsync._copy",
     "zmqsync._deadline",
     "zmqsync._errors",
+    "zmqsync._fast_frames",
     "zmqsync._follow",
     "zmqsync._handshake_queue",
     "zmqsync._layout",
@@ -88,7 +90,7 @@ CORE = (
 )
 RULES = {
     "the protocol does no I/O, and knows no tensors": (
-        ("zmqsync._protocol",),
+        ("zmqsync._protocol", "zmqsync._checks", "zmqsync._fast_frames"),
         (*IO, "torch"),
     ),
     "the state objects take messages and a clock: no I/O, no clock, no tensors": (
