@@ -25,6 +25,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from zmqsync import ProtocolError
+from zmqsync import _checks as checks
+from zmqsync import _fast_frames as fast_frames
 from zmqsync import _protocol as protocol
 from zmqsync._checks import build
 from zmqsync._fast_frames import template
@@ -1008,8 +1010,9 @@ def test_non_bytes_input_is_refused() -> None:
 FORBIDDEN_IMPORTS = {"zmq", "time", "socket", "torch", "pickle", "asyncio", "threading", "os"}
 
 
-def test_protocol_module_does_no_io() -> None:
-    source = Path(protocol.__file__).read_text(encoding="utf-8")
+@pytest.mark.parametrize("module", [protocol, checks, fast_frames], ids=lambda m: m.__name__)
+def test_protocol_modules_do_no_io(module: Any) -> None:
+    source = Path(module.__file__).read_text(encoding="utf-8")
     imported = set()
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
