@@ -682,7 +682,7 @@ class MessageSet(Generic[M]):
     """The messages of a channel other than the bus, defined and checked like the bus's.
 
     Each class is a frozen dataclass; a message class has a ``TYPE`` class attribute, a
-    record (a map inside messages, see `record`) has none. Its table maps every field to
+    record (a map inside messages, see `_checks.record`) has none. Its table maps every field to
     ``(check, description)`` exactly as `FIELDS` does: the table is the specification,
     and a generator renders it as ``tools/gen_protocol_doc.py`` renders `FIELDS`. A frame
     is a msgpack map with ``proto`` (this set's number), ``type`` and exactly the fields.
