@@ -16,8 +16,9 @@ import zmq
 
 import zmqsync
 from zmqsync import _publisher_agent
+from zmqsync._fast_frames import ack_pattern, template
 from zmqsync._follow import libzmq_path, zmq_error
-from zmqsync._protocol import Ack, ack_pattern, decode, encode, template
+from zmqsync._protocol import Ack, decode, encode
 
 PARTS = 300  # more frames than one native read takes (256): a read ends inside one
 BACKLOG = 20  # junk messages queued before each publish, so its ACK lands amid them

@@ -12,11 +12,11 @@ import torch
 
 import zmqsync
 from zmqsync import _config
+from zmqsync._checks import MAX_U63
 from zmqsync._protocol import (
     MAX_EVENT,
     MAX_SLOTS,
     MAX_TENSORS,
-    MAX_U63,
     Ack,
     Bye,
     Heartbeat,

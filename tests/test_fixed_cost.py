@@ -20,8 +20,9 @@ import torch
 import zmqsync
 from zmqsync import _apply, _subscriber
 from zmqsync._errors import ProtocolError
+from zmqsync._fast_frames import read_ack, read_receive, template
 from zmqsync._layout import flatten
-from zmqsync._protocol import Ack, Receive, decode, encode, read_ack, read_receive, template
+from zmqsync._protocol import Ack, Receive, decode, encode
 
 BUS = "0123456789abcdef"
 

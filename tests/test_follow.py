@@ -24,18 +24,16 @@ from hypothesis import strategies as st
 
 import zmqsync
 from tests.test_fixed_cost import BUS, _acks, _receives
-from zmqsync._follow import libzmq_path, zmq_error
-from zmqsync._protocol import (
-    Ack,
-    Receive,
+from zmqsync._fast_frames import (
     ack_pattern,
-    decode,
     read_ack,
     read_receive,
     receive_pattern,
     template,
     template_pieces,
 )
+from zmqsync._follow import libzmq_path, zmq_error
+from zmqsync._protocol import Ack, Receive, decode
 
 native = pytest.importorskip("zmqsync._native", reason="the native extension is not built")
 if not hasattr(native, "Follower"):

@@ -23,8 +23,9 @@ import torch
 import zmqsync
 from tests.conftest import ROOT, deadline_listdir
 from zmqsync import _config
+from zmqsync._cli.buses import inspect_bus
 from zmqsync._gc import collect_sockets
-from zmqsync.cli import _inspect, _parser, main
+from zmqsync.cli import _parser, main
 
 # `zmqsync ARGS` through main(), then one stderr line saying whether torch got imported
 LIGHT = (
@@ -344,7 +345,7 @@ def test_sigterm_ends_the_demo_and_leaves_nothing(bus_dirs, tmp_path):
             assert time.monotonic() < end, "the demo did not start publishing"
             if os.path.exists(address[len("ipc://") :]):
                 try:
-                    if _inspect(address, 2.0).counters.get("publishes", 0) >= 2:
+                    if inspect_bus(address, 2.0).counters.get("publishes", 0) >= 2:
                         break
                 except zmqsync.ConnectTimeout:
                     pass

@@ -350,15 +350,15 @@ def test_inspect_of_an_ipc_bus_gives_no_warning(name, capsys):
 def test_relay_tables_of_inspect_show_peer_text_literally(capsys):
     """Relay ids, hosts and the relays' workers come from other hosts: `inspect` prints
     them as text, never as markup."""
+    from zmqsync._inspect_view import print_relays
     from zmqsync._protocol import to_plain
-    from zmqsync.cli import _print_relays
     from zmqsync.relay import RelayInfo
 
     worker = WorkerState(WORKER, 7, HOST, "copy", "cpu", 3, 0.5)
     relay = RelayInfo("[/red]relay", HOST, 8, "active", 1, 1, 3, 3, 0.1, (worker,))
     tree = {"tree": "t[/]", "pid": 9, "version": 3, "generation": 1, "ack": "all"}
     tree["relays"] = [to_plain(relay)]
-    _print_relays(tree)
+    print_relays(tree)
     out = capsys.readouterr().out
     assert_inert(out)
     assert "relay root t[/] pid 9" in out

@@ -25,7 +25,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from zmqsync import ProtocolError
+from zmqsync import _checks as checks
+from zmqsync import _fast_frames as fast_frames
 from zmqsync import _protocol as protocol
+from zmqsync._checks import build
+from zmqsync._fast_frames import template
 from zmqsync._protocol import (
     FIELDS,
     MAX_MESSAGE,
@@ -49,7 +53,6 @@ from zmqsync._protocol import (
     contiguous_stride,
     decode,
     encode,
-    template,
 )
 
 BUS = "0123456789abcdef"
@@ -526,15 +529,15 @@ HOT_FIELD_VALUES = {
         )
     )
 )
-def test_the_fast_decode_accepts_what_the_field_checks_accept(
+def test_decode_of_the_hot_messages_accepts_what_the_field_checks_accept(
     case: tuple[type[Any], dict[str, Any], set[str]],
 ) -> None:
-    """RECEIVE and ACK skip the field walk when every value passed it before; whatever
-    the values (and missing fields), decode must agree with the walk itself."""
+    """Whatever the values (and missing fields) of a RECEIVE or ACK, decode agrees with
+    the field walk itself, before and after the text checks learned the strings."""
     cls, values, dropped = case
     raw = {name: v for name, v in values.items() if name not in dropped}
     try:
-        expected = protocol._build(cls, dict(raw), cls.TYPE)
+        expected = build(cls, dict(raw), cls.TYPE)
     except ProtocolError:
         expected = None
     frame = pack({**raw, "proto": PROTO, "type": cls.TYPE})
@@ -1007,8 +1010,9 @@ def test_non_bytes_input_is_refused() -> None:
 FORBIDDEN_IMPORTS = {"zmq", "time", "socket", "torch", "pickle", "asyncio", "threading", "os"}
 
 
-def test_protocol_module_does_no_io() -> None:
-    source = Path(protocol.__file__).read_text(encoding="utf-8")
+@pytest.mark.parametrize("module", [protocol, checks, fast_frames], ids=lambda m: m.__name__)
+def test_protocol_modules_do_no_io(module: Any) -> None:
+    source = Path(module.__file__).read_text(encoding="utf-8")
     imported = set()
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):

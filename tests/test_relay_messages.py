@@ -21,17 +21,8 @@ from hypothesis import strategies as st
 from tests.test_relay import MESSAGES
 from zmqsync import ProtocolError
 from zmqsync import _protocol as protocol
-from zmqsync._protocol import (
-    FIELDS,
-    MESSAGE_TYPES,
-    MessageSet,
-    TensorSpec,
-    WorkerState,
-    choice,
-    integer,
-    record,
-    text,
-)
+from zmqsync._checks import choice, integer, record, text
+from zmqsync._protocol import FIELDS, MESSAGE_TYPES, MessageSet, TensorSpec, WorkerState
 from zmqsync.relay import _membership, _messages
 from zmqsync.relay._messages import RELAY
 

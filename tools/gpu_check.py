@@ -51,9 +51,10 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 import zmqsync  # noqa: E402
-from zmqsync import _checksum, cli  # noqa: E402
+from zmqsync import _checksum  # noqa: E402
 from zmqsync._buffers import cuda as zcuda  # noqa: E402
 from zmqsync._buffers.transport import DISABLED  # noqa: E402
+from zmqsync._cli.buses import inspect_bus  # noqa: E402
 
 GiB = 2**30
 TARGET = 0.70
@@ -279,7 +280,7 @@ def check_mixed_bus(checks: Checks, width: int) -> None:
                     checks.add(f"version {v} acked by all", False, f"missing {p.missing}")
                     break
             infos = pub.workers
-            state = cli._inspect(pub.address, 10.0)
+            state = inspect_bus(pub.address, 10.0)
             notes = {w.worker_id: w.transport_note for w in state.workers}
         except BaseException:
             for w in workers.values():

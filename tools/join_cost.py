@@ -97,9 +97,9 @@ def trainer(name: str, storm: str) -> int:
     pub = zmqsync.Publisher(
         _model(), address, name=name, tap=storm == "tap", curve=True if storm == "curve" else None
     ).start()
-    from zmqsync.cli import _inspect  # the endpoints, as `zmqsync inspect` reads them
+    from zmqsync._cli.buses import inspect_bus  # the endpoints, as `zmqsync inspect` reads them
 
-    state = _inspect(pub.address, 10.0, name)
+    state = inspect_bus(pub.address, 10.0, name)
     _say(event="ready", address=pub.address, events=state.events, tap=state.tap)
     try:
         for line in sys.stdin:

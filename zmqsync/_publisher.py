@@ -45,6 +45,7 @@ from ._config import XPUB_WELCOME as XPUB_WELCOME  # until _subscriber imports i
 from ._connections import connection_budget, open_descriptors, raise_fd_limit
 from ._deadline import Deadline
 from ._errors import ClosedError, LayoutMismatch, PublishTimeout, ZmqSyncError
+from ._fast_frames import template
 from ._layout import (
     Key,
     Layout,
@@ -53,12 +54,7 @@ from ._layout import (
     flatten,
 )
 from ._overlap import Pending, StepGuard, Writer
-from ._protocol import (
-    Inspect,
-    Receive,
-    encode,
-    template,
-)
+from ._protocol import Inspect, Receive, encode
 from ._publisher_agent import IO_LOCK_S, Agent, Shared
 from ._publisher_role import PublisherRole
 from ._registry import Meant, WorkerInfo

@@ -32,6 +32,7 @@ from ._config import XPUB_WELCOME
 from ._connections import Gate
 from ._deadline import Deadline
 from ._errors import ProtocolError, ZmqSyncError
+from ._fast_frames import ack_pattern, read_ack
 from ._follow import ACK_READER, libzmq_path, zmq_error
 from ._protocol import (
     BufferInfo,
@@ -45,10 +46,8 @@ from ._protocol import (
     Stop,
     Tap,
     Welcome,
-    ack_pattern,
     decode,
     encode,
-    read_ack,
 )
 from ._publisher_role import Endpoints, PublisherRole
 from ._security import CurveServer

@@ -70,24 +70,11 @@ from ._buffers.transport import (
 from ._config import DEFAULT, XPUB_WELCOME
 from ._deadline import Deadline
 from ._errors import BufferUnavailable, ClosedError, ConnectTimeout, ProtocolError, ZmqSyncError
+from ._fast_frames import read_receive, receive_pattern, template, template_pieces
 from ._follow import FOLLOWER, GATE, libzmq_path, zmq_error
 from ._layout import Key, Layout, flatten
 from ._link import Action, Handshake, Link, LinkState, Lost, Offer, Rejected, Repair, Stopped
-from ._protocol import (
-    MAX_EVENT,
-    Ack,
-    Bye,
-    Error,
-    Heartbeat,
-    Hello,
-    Welcome,
-    decode,
-    encode,
-    read_receive,
-    receive_pattern,
-    template,
-    template_pieces,
-)
+from ._protocol import MAX_EVENT, Ack, Bye, Error, Heartbeat, Hello, Welcome, decode, encode
 from ._security import CurveClient, found_keys
 from ._sockets import (
     CANCEL_CHECK_S,

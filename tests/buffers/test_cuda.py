@@ -229,9 +229,9 @@ def weights(v: float) -> dict[str, torch.Tensor]:
 
 
 def state_of(pub):
-    from zmqsync.cli import _inspect
+    from zmqsync._cli.buses import inspect_bus
 
-    return {w.worker_id: w for w in _inspect(pub.address, 5.0).workers}
+    return {w.worker_id: w for w in inspect_bus(pub.address, 5.0).workers}
 
 
 def assert_holds(tensors, v):

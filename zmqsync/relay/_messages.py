@@ -14,19 +14,8 @@ import re
 from dataclasses import dataclass
 from typing import ClassVar, TypeAlias
 
-from .._protocol import (
-    MAX_TENSORS,
-    MessageSet,
-    TensorSpec,
-    WorkerState,
-    choice,
-    counters,
-    integer,
-    list_of,
-    number,
-    record,
-    text,
-)
+from .._checks import choice, counters, integer, list_of, number, record, text
+from .._protocol import MAX_TENSORS, MessageSet, TensorSpec, WorkerState
 
 __all__ = [
     "MAX_RELAYS",
