@@ -61,6 +61,7 @@ def _violations(modules: list[str], forbidden: tuple[str, ...]) -> list[str]:
 IO = ("zmq", "socket", "threading", "time", "os", "subprocess", "select", "mmap", "asyncio")
 # The roles: publisher and subscriber, their state objects, buffers, the protocol.
 CORE = (
+    "zmqsync._ack_reader",
     "zmqsync._admission",
     "zmqsync._apply",
     "zmqsync._buffers",
@@ -75,6 +76,7 @@ CORE = (
     "zmqsync._layout",
     "zmqsync._lifecycle",
     "zmqsync._link",
+    "zmqsync._native_lib",
     "zmqsync._protocol",
     "zmqsync._publisher",
     "zmqsync._publisher_agent",
@@ -85,6 +87,7 @@ CORE = (
     "zmqsync._sockets",
     "zmqsync._subscriber",
     "zmqsync._text",
+    "zmqsync._worker_state",
 )
 RULES = {
     "the protocol does no I/O, and knows no tensors": (
@@ -98,6 +101,7 @@ RULES = {
             "zmqsync._link",
             "zmqsync._admission",
             "zmqsync._handshake_queue",
+            "zmqsync._worker_state",
         ),
         (*[m for m in IO if m != "os"], "torch"),
     ),

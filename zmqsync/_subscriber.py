@@ -57,6 +57,7 @@ from . import _config, _lifecycle
 from ._apply import Target
 from ._buffers import CpuAttachment, CudaAttachment
 from ._buffers import cuda as _cuda
+from ._buffers.header import FIRST_SLOT_WORD, HEADER_BYTES
 from ._buffers.transport import (
     Decision,
     Facts,
@@ -99,6 +100,7 @@ from ._sockets import (
     send_bytes,
 )
 from ._text import printable
+from ._worker_state import WorkerState
 
 __all__ = ["Reading", "Subscriber"]
 
@@ -231,10 +233,11 @@ class Subscriber:
         self._closed = False
         self._failure: BaseException | None = None
         self._bus_id = ""  # of the buffers mapped now
-        self._version = -1
+        # version, held (slot, seqlock counter aliased now), the Link's last_seq and
+        # last_heard, applied/native: written by both followers (see `_worker_state`)
+        self._state = WorkerState()
         self._version_bus_id = ""
         self._pending: Offer | None = None
-        self._held: tuple[int, int] | None = None  # (slot, seqlock counter) aliased now
         self._target: Target | None = None
         self._attachment: CpuAttachment | None = None
         self._gpus: list[CudaAttachment] = []
@@ -244,18 +247,14 @@ class Subscriber:
         self._sync_devices: tuple[torch.device, ...] = ()  # GPUs the apply reads or writes
         self._transport = Decision("", "")
         self._agent: _Agent | None = None
-        # applied: versions applied; native: how many of them the native path took
-        self.counters: dict[str, int] = {
-            "applied": 0,
-            "native": 0,
-            "rejected": 0,
-            "foreign": 0,
-            "gaps": 0,
-        }
+        # the Link's counts (applied and native are the state's, see `counters`)
+        self._counts: dict[str, int] = {"rejected": 0, "foreign": 0, "gaps": 0}
         # Driven by the agent thread only (from start()); this thread reads its state. The
         # nonce, drawn once, proves to the publisher that every HELLO of this Subscriber
         # comes from the same process (see `Registry.claim`); the tap never shows it.
-        self._link = Link(self.worker_id, mode, self.counters, nonce=secrets.token_hex(16))
+        self._link = Link(
+            self.worker_id, mode, self._counts, nonce=secrets.token_hex(16), shared=self._state
+        )
 
     # --- lifecycle -----------------------------------------------------------------
 
@@ -281,7 +280,7 @@ class Subscriber:
             "subscriber %s joined %s at version %d (%s/%s)",
             self.worker_id,
             self.address,
-            self._version,
+            self._state.version,
             self.mode,
             self.apply,
         )
@@ -327,14 +326,22 @@ class Subscriber:
             link = "closed"
         else:
             link = "connected" if self.connected else self._link.state.name.lower()
-        return f"<Subscriber {self.name!r} v{self._version} {self.mode}/{self.apply} {link}>"
+        return f"<Subscriber {self.name!r} v{self._state.version} {self.mode}/{self.apply} {link}>"
 
     # --- what the worker uses ------------------------------------------------------
 
     @property
     def version(self) -> int:
         """The version the model now computes with (-1 before start)."""
-        return self._version
+        return self._state.version
+
+    @property
+    def counters(self) -> dict[str, int]:
+        """What this worker counted: ``applied`` (versions applied), ``native`` (how many
+        of them the native follower took), ``rejected``, ``foreign`` and ``gaps`` (the
+        Link's). A snapshot: a new dict on every read."""
+        state = self._state
+        return {"applied": state.applied, "native": state.native, **self._counts}
 
     @property
     def bus_id(self) -> str:
@@ -430,7 +437,7 @@ class Subscriber:
             ProtocolError: the publisher refused this worker for good (see `refusal`):
                 no version will come.
         """
-        if self._version >= version:  # first: a thread that waits for each next version
+        if self._state.version >= version:  # first: a thread that waits for each next version
             return True  # comes here once per version, with cold caches
         seconds = self._timeout if timeout is DEFAULT else timeout
         gate = self._waiters.gate if self.apply == "background" else None
@@ -440,12 +447,12 @@ class Subscriber:
             # looks at why with the time left.
             start = time.monotonic()
             self._check_usable()
-            if gate.wait(version, seconds) and self._version >= version:
+            if gate.wait(version, seconds) and self._state.version >= version:
                 return True
             if seconds is not None:
                 seconds = max(0.0, seconds - (time.monotonic() - start))
         deadline = Deadline(seconds)
-        while self._version < version:
+        while self._state.version < version:
             self._check_usable()
             if deadline.expired():
                 return False
@@ -455,7 +462,7 @@ class Subscriber:
                 self.poll(deadline.wait_s(0.5))
             else:
                 with self._cond:
-                    if self._version < version:
+                    if self._state.version < version:
                         self._waiters.add(version)
                         try:
                             self._cond.wait(deadline.wait_s(0.5))
@@ -483,7 +490,7 @@ class Subscriber:
         that the block's results must be discarded. Copy mode is never torn.
         """
         with self._lock:
-            held, version, attachment = self._held, self._version, self._attachment
+            held, version, attachment = self._state.held, self._state.version, self._attachment
             devices = self._sync_devices
         reading = Reading(version)
         try:
@@ -539,7 +546,7 @@ class Subscriber:
         return attachment.header.latest() if attachment is not None else None
 
     def _current_version(self) -> int:
-        return self._version
+        return self._state.version
 
     def _fail(self, exc: BaseException) -> None:
         self._failure = exc
@@ -556,12 +563,12 @@ class Subscriber:
         first = not self._version_bus_id
         applied = self._apply_offer(offer) if first else self._offer(offer)
         if applied is None and self._version_bus_id == offer.bus:
-            applied = self._version  # re-joined the same bus: already computing with it
+            applied = self._state.version  # re-joined the same bus: already computing with it
         return applied
 
     def _offer(self, offer: Offer) -> int | None:
         """A version arrived (agent thread). Background: apply it now. Manual: keep it."""
-        if offer.bus == self._version_bus_id and offer.version <= self._version:
+        if offer.bus == self._version_bus_id and offer.version <= self._state.version:
             return None
         if self.apply == "background":
             return self._apply_offer(offer)
@@ -578,7 +585,7 @@ class Subscriber:
                 return None  # re-handshaken since: a newer offer follows
             header, version, slot = attachment.header, offer.version, offer.slot
             for _ in range(_APPLY_ATTEMPTS):
-                if offer.bus == self._version_bus_id and version <= self._version:
+                if offer.bus == self._version_bus_id and version <= self._state.version:
                     return None
                 counter = header.read_begin(slot, version)
                 if counter is None:  # the slot moved on: take the newest version
@@ -593,7 +600,7 @@ class Subscriber:
                         self._changed(offer.changed)
                         if offer.changed
                         and version == offer.version
-                        and version == self._version + 1
+                        and version == self._state.version + 1
                         and offer.bus == self._version_bus_id
                         else None
                     )
@@ -609,9 +616,9 @@ class Subscriber:
                 with self._lock:  # waiters are woken once the ACK is out (see _Waiters)
                     if offer.bus != self._version_bus_id and self._waiters.gate is not None:
                         self._waiters.gate.open(version)  # a new bus: its numbers start over
-                    self._held = (slot, counter) if self.mode == "alias" else None
-                    self._version, self._version_bus_id = version, offer.bus
-                    self.counters["applied"] += 1
+                    self._state.held = (slot, counter) if self.mode == "alias" else None
+                    self._state.version, self._version_bus_id = version, offer.bus
+                    self._state.applied += 1
                 if self._on_update is not None:
                     self._on_update(version)
                 return version
@@ -652,12 +659,12 @@ class Subscriber:
                 ack_head=ack_head,
                 ack_tail=ack_tail,
                 header=attachment.header_address(),
+                header_words=HEADER_BYTES // 8,
+                first_slot_word=FIRST_SLOT_WORD,
                 slots=len(self._views),
                 switch=switch,
-                owner=weakref.ref(self),
+                state=self._state,
                 lock=self._lock,
-                counters=self.counters,
-                link=link,
                 gate=self._waiters.gate,
                 error=zmq_error,
             )
