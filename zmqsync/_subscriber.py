@@ -89,6 +89,7 @@ from ._protocol import (
     template,
     template_pieces,
 )
+from ._reference_follower import ReferenceFollower, can_take
 from ._security import CurveClient, found_keys
 from ._sockets import (
     CANCEL_CHECK_S,
@@ -534,10 +535,7 @@ class Subscriber:
             notify=_weakly(self, Subscriber._notify),
             waiters=self._waiters,
             follow=_weakly(self, Subscriber._follower)
-            if FOLLOWER is not None
-            and self.mode == "alias"
-            and self.apply == "background"
-            and self._on_update is None
+            if self.mode == "alias" and self.apply == "background" and self._on_update is None
             else None,
         )
 
@@ -625,31 +623,48 @@ class Subscriber:
         raise ZmqSyncError(f"could not read a whole version after {_APPLY_ATTEMPTS} attempts")
 
     def _follower(self, events: zmq.Socket[bytes], acks: zmq.Socket[bytes]) -> Any:
-        """A `_native.Follower` for the versions that follow on these sockets (agent
-        thread), or None where it cannot take them now: no `Switch` (the model is not
-        aliased yet, or not on the CPU), or no version of the mapped bus applied yet."""
+        """A follower for the versions that follow on these sockets (agent thread): the
+        native one (`_native.Follower`) where the extension is there, else its Python
+        twin (`ReferenceFollower`); None where `can_take` says neither may take them
+        now (the model is not aliased on the CPU yet, or no version of the mapped bus
+        is applied yet)."""
         link = self._link
         with self._apply_lock:
             target, attachment = self._target, self._attachment
             switch = target.switch if target is not None else None
             if (
-                FOLLOWER is None
-                or self._waiters.gate is None
-                or switch is None
-                or not switch.active
-                or switch.swap is None
+                switch is None
                 or attachment is None
-                or self._sync_devices
-                or not self._bus_id
-                or self._version_bus_id != self._bus_id
-                or link.bus_id != self._bus_id
-                or not link.session
+                or not can_take(
+                    switch,
+                    mapped=True,
+                    syncs_devices=bool(self._sync_devices),
+                    bus_id=self._bus_id,
+                    applied_bus=self._version_bus_id,
+                    link_bus=link.bus_id,
+                    session=link.session,
+                )
             ):
                 return None
-            pieces, ranges = receive_pattern(self._bus_id)
             ack_head, ack_tail = template_pieces(
                 Ack, bus=self._bus_id, worker_id=link.worker_id, session=link.session
             )
+            gate = self._waiters.gate
+            if FOLLOWER is None or gate is None:
+                return ReferenceFollower(
+                    events=events,
+                    acks=acks,
+                    bus=self._bus_id,
+                    ack_head=ack_head,
+                    ack_tail=ack_tail,
+                    header=attachment.header,
+                    slots=len(self._views),
+                    switch=switch,
+                    state=self._state,
+                    lock=self._lock,
+                    opened=self._waiters.wake,
+                )
+            pieces, ranges = receive_pattern(self._bus_id)
             return FOLLOWER(
                 libzmq=libzmq_path(),
                 events=events,
@@ -665,7 +680,7 @@ class Subscriber:
                 switch=switch,
                 state=self._state,
                 lock=self._lock,
-                gate=self._waiters.gate,
+                gate=gate,
                 error=zmq_error,
             )
 
