@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import ctypes
 import mmap
-import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -25,6 +24,7 @@ import pytest
 import torch
 import zmq
 
+from tests.helpers import native as native_helper
 from zmqsync._apply import Switch
 from zmqsync._buffers.header import FIRST_SLOT_WORD, HEADER_BYTES, Header
 from zmqsync._native_lib import libzmq_path, zmq_error
@@ -50,13 +50,7 @@ KINDS = ["native", "python"]
 
 def _native() -> Any:
     """The extension, or a skip (a failure where CI requires it)."""
-    try:
-        from zmqsync import _native
-    except ImportError:
-        if os.environ.get("ZMQSYNC_REQUIRE_NATIVE") == "1":
-            pytest.fail("ZMQSYNC_REQUIRE_NATIVE=1 but the native extension is not built")
-        pytest.skip("the native extension is not built")
-    return _native
+    return native_helper.module()
 
 
 # One step: (what the writer does to the header first, the frame). A header action is
