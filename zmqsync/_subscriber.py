@@ -576,7 +576,10 @@ class Subscriber:
         return None
 
     def _apply_offer(self, offer: Offer) -> int | None:
-        """Apply `offer` or a newer version; the version applied, or None (stale)."""
+        """Apply `offer` or a newer version; the version applied, or None (stale).
+
+        Mirrored in C by Follower.next (``_follower.c``) and in `ReferenceFollower`, for
+        the versions they take: the same writes to the `WorkerState`, under this lock."""
         with self._apply_lock:
             attachment, views, target = self._attachment, self._views, self._target
             if attachment is None or target is None or offer.bus != self._bus_id:

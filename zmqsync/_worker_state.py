@@ -1,8 +1,9 @@
 """The per-version state a worker's two followers write: one home, with fixed names.
 
-A version reaches a worker one of two ways: the Python way (the agent's loop, the
-`Link`'s rule, `Subscriber._apply_offer`) or the native `Follower` (``_follower.c``),
-which does the same steps in C. Both record what they did here, and nowhere else: the
+A version reaches a worker the Python way (the agent's loop, the `Link`'s rule,
+`Subscriber._apply_offer`) or through a follower: the native `Follower`
+(``_follower.c``) or its Python twin (`ReferenceFollower`), which do the same steps.
+All of them record what they did here, and nowhere else: the
 version the model computes with, the slot and seqlock counter it holds, the Link's
 sequence and liveness clock, and the counters a version bumps.
 
@@ -25,8 +26,8 @@ class WorkerState:
         held: in alias mode, (slot, seqlock counter) of the slot aliased now.
         last_seq: the Link's sequence: events up to this seq are covered.
         last_heard: when a message of the Link's bus last arrived (monotonic seconds).
-        applied: versions applied, by either follower.
-        native: how many of them the native follower took.
+        applied: versions applied, whichever way they came.
+        native: how many of them the native (C) follower took.
     """
 
     __slots__ = ("version", "held", "last_seq", "last_heard", "applied", "native")
