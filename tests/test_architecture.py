@@ -81,11 +81,13 @@ CORE = (
     "zmqsync._publisher",
     "zmqsync._publisher_agent",
     "zmqsync._publisher_role",
+    "zmqsync._reference_follower",
     "zmqsync._registry",
     "zmqsync._security",
     "zmqsync._slots",
     "zmqsync._sockets",
     "zmqsync._subscriber",
+    "zmqsync._subscriber_agent",
     "zmqsync._text",
     "zmqsync._worker_state",
 )
