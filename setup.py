@@ -8,5 +8,13 @@ import os
 
 from setuptools import Extension, setup
 
-native = [Extension("zmqsync._native", ["zmqsync/_native.c", "zmqsync/_follow.c"], optional=True)]
+SOURCES = ["_native.c", "_follower.c", "_gate.c", "_ack_reader.c"]
+native = [
+    Extension(
+        "zmqsync._native",
+        [f"zmqsync/{name}" for name in SOURCES],
+        depends=[f"zmqsync/{name}" for name in ("_gate.h", "_libzmq.h", "_msgpack_read.h")],
+        optional=True,
+    )
+]
 setup(ext_modules=native if os.environ.get("ZMQSYNC_BUILD_NATIVE", "1") != "0" else [])

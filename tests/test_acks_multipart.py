@@ -15,6 +15,7 @@ import torch
 import zmq
 
 import zmqsync
+from tests.helpers import native as native_helper
 from zmqsync import _publisher_agent
 from zmqsync._fast_frames import ack_pattern, template
 from zmqsync._follow import libzmq_path, zmq_error
@@ -39,7 +40,7 @@ def test_multipart_junk_between_publishes_drops_no_honest_ack(spawn, name, monke
         monkeypatch.setenv("ZMQSYNC_NATIVE", "0")  # the worker's side
         monkeypatch.setattr(_publisher_agent, "ACK_READER", None)  # the publisher's
     elif _publisher_agent.ACK_READER is None:
-        pytest.skip("the native extension is not built")
+        native_helper.missing()
     ctx = zmq.Context()
     with zmqsync.Publisher(
         {"w": torch.zeros(64)}, name=name, heartbeat=0.5, timeout=1.0, on_timeout="raise"
@@ -81,7 +82,7 @@ def test_multipart_junk_between_publishes_drops_no_honest_ack(spawn, name, monke
 def test_the_native_reader_returns_whole_messages_and_keeps_nothing_between_reads():
     """A multipart message longer than a read is still read whole; the next read starts
     at the next message, whoever reads the socket in between."""
-    native = pytest.importorskip("zmqsync._native", reason="the native extension is not built")
+    native = native_helper.module()
     bus = "0123456789abcdef"
     ack = template(Ack, bus=bus, worker_id="w", session="00aa11bb22cc33dd")
     decode(ack(1))  # its worker id and session pass their checks: a native ACK

@@ -61,6 +61,7 @@ def _violations(modules: list[str], forbidden: tuple[str, ...]) -> list[str]:
 IO = ("zmq", "socket", "threading", "time", "os", "subprocess", "select", "mmap", "asyncio")
 # The roles: publisher and subscriber, their state objects, buffers, the protocol.
 CORE = (
+    "zmqsync._ack_reader",
     "zmqsync._admission",
     "zmqsync._apply",
     "zmqsync._buffers",
@@ -77,16 +78,20 @@ CORE = (
     "zmqsync._layout",
     "zmqsync._lifecycle",
     "zmqsync._link",
+    "zmqsync._native_lib",
     "zmqsync._protocol",
     "zmqsync._publisher",
     "zmqsync._publisher_agent",
     "zmqsync._publisher_role",
+    "zmqsync._reference_follower",
     "zmqsync._registry",
     "zmqsync._security",
     "zmqsync._slots",
     "zmqsync._sockets",
     "zmqsync._subscriber",
+    "zmqsync._subscriber_agent",
     "zmqsync._text",
+    "zmqsync._worker_state",
 )
 RULES = {
     "the protocol does no I/O, and knows no tensors": (
@@ -100,6 +105,7 @@ RULES = {
             "zmqsync._link",
             "zmqsync._admission",
             "zmqsync._handshake_queue",
+            "zmqsync._worker_state",
         ),
         (*[m for m in IO if m != "os"], "torch"),
     ),
@@ -145,9 +151,7 @@ MAX_LINES = 800  # per package module: one that grows past it holds more than on
 # are being split. A count here may only go down (lower it as a split lands, drop the
 # entry when the file is under the limit): the file fails the test if it grows past it.
 OVER_THE_LIMIT = {
-    "zmqsync/_follow.c": 1197,
     "zmqsync/_publisher.py": 1062,
-    "zmqsync/_subscriber.py": 1239,
 }
 
 

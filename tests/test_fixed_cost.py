@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import zmqsync
+from tests.helpers import native
 from zmqsync import _apply, _subscriber
 from zmqsync._errors import ProtocolError
 from zmqsync._fast_frames import read_ack, read_receive, template
@@ -58,7 +59,7 @@ def alias_way(request, monkeypatch):
     or in Python, or (a torch without its pointer swap) by setting every tensor."""
     if request.param == "native":
         if _subscriber.FOLLOWER is None:
-            pytest.skip("the native extension is not built")
+            native.missing()
     else:
         monkeypatch.setattr(_subscriber, "FOLLOWER", None)
         monkeypatch.setattr(_subscriber, "GATE", None)

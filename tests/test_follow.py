@@ -11,6 +11,7 @@ of test_fixed_cost run every way in one process too.
 
 from __future__ import annotations
 
+import os
 import random
 import threading
 import time
@@ -23,6 +24,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import zmqsync
+from tests.helpers import native as native_helper
 from tests.test_fixed_cost import BUS, _acks, _receives
 from zmqsync._fast_frames import (
     ack_pattern,
@@ -35,9 +37,9 @@ from zmqsync._fast_frames import (
 from zmqsync._follow import libzmq_path, zmq_error
 from zmqsync._protocol import Ack, Receive, decode
 
-native = pytest.importorskip("zmqsync._native", reason="the native extension is not built")
+native = native_helper.module(at_module_level=True)
 if not hasattr(native, "Follower"):
-    pytest.skip("an older build of the native extension", allow_module_level=True)
+    native_helper.missing("an older build of the native extension", at_module_level=True)
 
 PIECES, RANGES = receive_pattern(BUS)
 
@@ -208,6 +210,8 @@ def _fill(model: torch.nn.Module, step: int) -> float:
 def test_a_plain_worker_process_sees_every_version_whole(name, spawn, monkeypatch, way):
     if way == "python":
         monkeypatch.setenv("ZMQSYNC_NATIVE", "0")
+    elif os.environ.get("ZMQSYNC_NATIVE") == "0":
+        native_helper.missing("ZMQSYNC_NATIVE=0 turns the native path off")
     trainer = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(4)])
     with zmqsync.Publisher(trainer, name=name, timeout=20) as pub:
         worker = spawn("tests/helpers/follow_worker.py", name, module="")

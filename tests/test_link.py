@@ -27,10 +27,14 @@ from zmqsync._protocol import (
     Bye,
     Heartbeat,
     Hello,
+    Message,
     Receive,
     Stop,
     Welcome,
+    decode,
+    encode,
 )
+from zmqsync._publisher_role import Endpoints, PublisherRole
 
 BUS = "0123456789abcdef"
 OTHER = "fedcba9876543210"
@@ -448,3 +452,119 @@ def test_counters_go_where_the_owner_keeps_them():
     assert counters == {"applied": 7, "gaps": 2, "rejected": 0, "foreign": 0}
     link.on_event(Receive(OTHER, 1, 0, 0), 0.0)
     assert counters == {"applied": 7, "gaps": 2, "rejected": 0, "foreign": 1}
+
+
+# --- pairs: the publisher role's real messages, through bytes, to the worker's Link ------
+
+
+class Pair:
+    """A `PublisherRole` and a worker's `Link` joined by message passing, h11-style.
+
+    Every message goes through `encode` and `decode`, as on the wire; there are no
+    sockets and no threads, and the clock is passed in: each protocol rule is checked
+    between the two real state objects, exactly.
+    """
+
+    def __init__(self, slots: int = 2) -> None:
+        self.role = PublisherRole(
+            name="t",
+            bus_id=BUS,
+            slots=slots,
+            heartbeat=HB,
+            slot_bytes=4096,
+            manifest=(),
+            new_session=lambda: SESSION,
+        )
+        self.role.registry.record(0, 0)  # the version a Publisher starts with
+        cpu = BufferInfo("cpu", "cpu", "zmqsync-t-cpu", 4096 + slots * 4096, 4096)
+        self.role.endpoints = Endpoints("ipc:///tmp/t.events", "ipc:///tmp/t.acks", "", (cpu,))
+        self.link = Link("w0", "alias", nonce="ab" * 16)
+
+    def join(self, now: float) -> Offer | None:
+        """The handshake: HELLO to the role, its WELCOME to the link, and the ACK back."""
+        hello = _wire(self.link.hello(1, "host", "cpu", ""))
+        welcome, _replaced = self.role.welcome(self.role.admit(hello, now), now)
+        offer = self.link.welcome(_wire(welcome), now, latest=None)
+        if offer is not None:
+            assert self.ack(offer.version, now)
+        return offer
+
+    def publish(self, version: int, slot: int) -> Receive:
+        """The RECEIVE the publisher sends for `version`, written to `slot`."""
+        self.role.registry.record(version, slot)
+        return Receive(BUS, self.role.next_seq(), version, slot, b"")
+
+    def deliver(self, event: Message, now: float) -> object:
+        return self.link.on_event(_wire(event), now)
+
+    def ack(self, version: int, now: float) -> bool:
+        ack = Ack(BUS, self.link.worker_id, self.link.session, version)
+        return self.role.on_worker_message(_wire(ack), now)
+
+
+def _wire(msg: Message) -> Message:
+    return decode(encode(msg))
+
+
+def test_pair_a_handshake_leaves_both_sides_agreeing():
+    pair = Pair()
+    offer = pair.join(0.0)
+    assert offer == Offer(BUS, 0, 0)
+    assert pair.link.connected and pair.link.session == SESSION
+    assert pair.link.last_seq == pair.role.seq, "events up to the WELCOME's are covered"
+    assert pair.role.registry.find("w0", SESSION) is not None
+
+
+def test_pair_every_receive_in_order_is_offered_and_its_ack_counts():
+    pair = Pair()
+    pair.join(0.0)
+    for version in range(1, 6):
+        slot = version % 2
+        offer = pair.deliver(pair.publish(version, slot), version * 0.1)
+        assert offer == Offer(BUS, version, slot)
+        assert pair.ack(version, version * 0.1)
+    assert pair.link.last_seq == pair.role.seq == 5
+    assert pair.role.counters["acks"] == 6 and pair.link.counters["gaps"] == 0
+
+
+def test_pair_a_lost_receive_is_repaired_from_the_publishers_heartbeat():
+    pair = Pair()
+    pair.join(0.0)
+    pair.publish(1, 1)  # lost on the way
+    assert isinstance(pair.deliver(pair.role.heartbeat_event(), 0.5), Repair)
+    assert pair.link.last_seq == pair.role.seq and pair.link.counters["gaps"] == 1
+    assert pair.deliver(pair.publish(2, 0), 0.6) == Offer(BUS, 2, 0), "in order again"
+
+
+def test_pair_an_old_event_delivered_again_is_dropped():
+    pair = Pair()
+    pair.join(0.0)
+    receive = pair.publish(1, 1)
+    assert pair.deliver(receive, 0.1) == Offer(BUS, 1, 1)
+    assert pair.deliver(receive, 0.2) is None
+
+
+def test_pair_an_eviction_stops_the_session_and_a_rejoin_gets_a_new_welcome():
+    pair = Pair()
+    pair.join(0.0)
+    pair.role.evict(["w0"])
+    lost = pair.deliver(pair.role.stop_for(SESSION, "evicted"), 1.0)
+    assert isinstance(lost, Lost) and not pair.link.connected
+    assert pair.join(2.0) == Offer(BUS, 0, 0), "the re-join's HELLO carries the session"
+    assert pair.link.connected and pair.role.registry.find("w0", SESSION) is not None
+
+
+def test_pair_a_worker_heartbeat_keeps_it_on_the_bus_and_silence_drops_it():
+    pair = Pair()
+    pair.join(0.0)
+    beats = [m for m in pair.link.tick(HB, 0) if isinstance(m, Heartbeat)]
+    assert beats and not pair.role.on_worker_message(_wire(beats[0]), HB)
+    assert pair.role.drop_silent(HB * LOST_AFTER_BEATS) == []
+    assert [m.worker_id for m in pair.role.drop_silent(HB * (2 * LOST_AFTER_BEATS + 1))] == ["w0"]
+
+
+def test_pair_the_publishers_close_stops_the_worker():
+    pair = Pair()
+    pair.join(0.0)
+    result = pair.deliver(pair.role.close(), 1.0)
+    assert isinstance(result, Lost | Stopped) and pair.link.stopped

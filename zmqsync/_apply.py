@@ -254,7 +254,8 @@ class Switch:
 
     def point_at(self, slot: int, views: dict[Key, torch.Tensor]) -> bool:
         """Make the model read `slot` (whose tensors are `views`); False if that slot
-        cannot be swapped in."""
+        cannot be swapped in. Mirrored in C by point_at (``_follower.c``), which takes
+        only a slot whose holder is built."""
         at = self.at
         if slot == at:
             return True

@@ -58,6 +58,7 @@ from typing import TypeAlias
 
 from ._config import FIRST_WORD_S, LOST_AFTER_BEATS, REJOIN_MIN_S
 from ._protocol import Bye, Heartbeat, Hello, Message, Receive, Stop, Welcome
+from ._worker_state import WorkerState
 
 __all__ = [
     "FINAL_REFUSAL",
@@ -157,10 +158,17 @@ class Link:
             added if missing); None: a new dict.
         nonce: the secret this worker sends in every HELLO (32 hex digits, drawn once by
             its owner): proves to the publisher that each HELLO comes from this process.
+        shared: where ``last_seq`` and ``last_heard`` live (its owner's, which the
+            native follower writes too); None: a new one.
     """
 
     def __init__(
-        self, worker_id: str, mode: str, counters: dict[str, int] | None = None, nonce: str = ""
+        self,
+        worker_id: str,
+        mode: str,
+        counters: dict[str, int] | None = None,
+        nonce: str = "",
+        shared: WorkerState | None = None,
     ) -> None:
         self.worker_id = worker_id
         self.mode = mode
@@ -168,10 +176,11 @@ class Link:
         self.state = LinkState.NEW
         self.bus_id = ""  # of the WELCOME adopted last
         self.session = ""  # ours on that bus: proves a re-join, echoed in ACK/HEARTBEAT/BYE
-        self.last_seq = 0  # events up to this seq are covered
+        # last_seq (events up to it are covered) and last_heard (when a message of our
+        # bus last arrived) live in `shared`, which the native follower writes too
+        self.shared = shared if shared is not None else WorkerState()
         self.slots = 0  # of that bus: a slot outside [0, slots) is not ours to read
         self.heartbeat = 0.5  # interval, seconds (the publisher's)
-        self.last_heard = 0.0  # when a message of our bus last arrived
         self.next_tick = 0.0  # `tick` has nothing to do before this
         self.stopped = False  # the publisher closed the bus (until a WELCOME), or refused us
         self.refusal = ""  # REFUSED: the publisher's reason
@@ -179,6 +188,24 @@ class Link:
         self.counters = counters if counters is not None else {}
         for key in _COUNTERS:
             self.counters.setdefault(key, 0)
+
+    @property
+    def last_seq(self) -> int:
+        """Events up to this seq are covered."""
+        return self.shared.last_seq
+
+    @last_seq.setter
+    def last_seq(self, seq: int) -> None:
+        self.shared.last_seq = seq
+
+    @property
+    def last_heard(self) -> float:
+        """When a message of our bus last arrived (monotonic seconds)."""
+        return self.shared.last_heard
+
+    @last_heard.setter
+    def last_heard(self, now: float) -> None:
+        self.shared.last_heard = now
 
     @property
     def connected(self) -> bool:
@@ -291,19 +318,21 @@ class Link:
     ) -> Offer | Rejected | None:
         """What to do with a RECEIVE of our bus (its fields, from `read_receive`, or
         from `on_event`), received at `now`. One per version: the rule of `_seen` is
-        written out here rather than called."""
+        written out here rather than called. Mirrored in C by Follower.next
+        (``_follower.c``) for the RECEIVEs it takes."""
         if self.state is LinkState.CLOSED:
             return None
-        self.last_heard = now
+        shared = self.shared
+        shared.last_heard = now
         if slot >= self.slots:
             self.counters["rejected"] += 1
             return Rejected(f"RECEIVE v{version} for slot {slot} of {self.slots}")
-        last = self.last_seq
+        last = shared.last_seq
         if seq <= last:
             return None
         if seq > last + 1:
             self.counters["gaps"] += 1
-        self.last_seq = seq
+        shared.last_seq = seq
         return Offer(self.bus_id, version, slot, changed)
 
     def on_invalid(self) -> None:

@@ -1,5 +1,5 @@
 /* zmqsync._native: copy many byte ranges in one call, on one thread or a few (the
- * worker's per-version path, Follower, is in _follow.c).
+ * worker's per-version path, Follower, is in _follower.c).
  *
  * A version of a model with thousands of tensors is thousands of small copies. Done one
  * by one from Python (a memoryview assignment each), the interpreter's ~130 ns per copy
@@ -210,11 +210,14 @@ static PyObject *copy_many(PyObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
-/* _follow.c: a worker's per-version path */
+/* _follower.c: a worker's per-version path; _gate.c: its waiters; _ack_reader.c: the
+ * publisher's ACKs */
 PyObject *zs_match_receive(PyObject *self, PyObject *args);
 PyObject *zs_pack_int(PyObject *self, PyObject *arg);
 extern const char zs_match_receive_doc[], zs_pack_int_doc[];
 int zs_add_follower(PyObject *module);
+int zs_add_gate(PyObject *module);
+int zs_add_ack_reader(PyObject *module);
 
 static PyMethodDef methods[] = {
     {"copy_many", copy_many, METH_VARARGS, copy_many_doc},
@@ -231,7 +234,8 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC PyInit__native(void)
 {
     PyObject *m = PyModule_Create(&module);
-    if (m != NULL && zs_add_follower(m) < 0) {
+    if (m != NULL
+        && (zs_add_gate(m) < 0 || zs_add_follower(m) < 0 || zs_add_ack_reader(m) < 0)) {
         Py_DECREF(m);
         return NULL;
     }

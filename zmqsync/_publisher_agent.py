@@ -27,13 +27,14 @@ from typing import Any, cast
 import zmq
 
 from . import _config
+from ._ack_reader import ACK_READER
 from ._admission import peer_of
 from ._config import XPUB_WELCOME
 from ._connections import Gate
 from ._deadline import Deadline
 from ._errors import ProtocolError, ZmqSyncError
 from ._fast_frames import ack_pattern, read_ack
-from ._follow import ACK_READER, libzmq_path, zmq_error
+from ._native_lib import libzmq_path, zmq_error
 from ._protocol import (
     BufferInfo,
     Bye,

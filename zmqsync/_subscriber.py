@@ -18,10 +18,11 @@ Three objects, one concern each:
 
 - `Link` (``_link.py``): the rules of steps 1, 3 and 4 and the link's state, without
   I/O. It takes decoded messages and the time and says what to do.
-- `_Agent`: the thread that owns the sockets. It decodes each frame, hands the message
-  to the Link and carries out the answer: apply through its `_Port`, send on ``acks``.
+- `Agent` (``_subscriber_agent.py``): the thread that owns the sockets. It decodes each
+  frame, hands the message to the Link and carries out the answer: apply through its
+  `Port`, send on ``acks``.
 - `Subscriber`: what the worker uses; it owns the mapped buffers and the model, and
-  applies versions. It gives the agent a `_Port` (weak calls, see there) and never
+  applies versions. It gives the agent a `Port` (weak calls, see there) and never
   touches the sockets. In ``apply="manual"`` mode the agent only records the newest
   version; the user's thread applies it inside `poll()` and asks the agent to ACK.
 
@@ -40,7 +41,6 @@ import dataclasses
 import logging
 import os
 import secrets
-import socket
 import threading
 import time
 import types
@@ -57,6 +57,7 @@ from . import _config, _lifecycle
 from ._apply import Target
 from ._buffers import CpuAttachment, CudaAttachment
 from ._buffers import cuda as _cuda
+from ._buffers.header import FIRST_SLOT_WORD, HEADER_BYTES
 from ._buffers.transport import (
     Decision,
     Facts,
@@ -67,35 +68,24 @@ from ._buffers.transport import (
     pid_namespace,
     registered,
 )
-from ._config import DEFAULT, XPUB_WELCOME
+from ._config import DEFAULT
 from ._deadline import Deadline
-from ._errors import BufferUnavailable, ClosedError, ConnectTimeout, ProtocolError, ZmqSyncError
-from ._fast_frames import read_receive, receive_pattern, template, template_pieces
+from ._errors import ClosedError, ProtocolError, ZmqSyncError
+from ._fast_frames import receive_pattern, template_pieces
 from ._follow import FOLLOWER, GATE, libzmq_path, zmq_error
 from ._layout import Key, Layout, flatten
-from ._link import Action, Handshake, Link, LinkState, Lost, Offer, Rejected, Repair, Stopped
-from ._protocol import MAX_EVENT, Ack, Bye, Error, Heartbeat, Hello, Welcome, decode, encode
+from ._link import Link, LinkState, Offer
+from ._protocol import Ack, Hello, Welcome
+from ._reference_follower import ReferenceFollower, can_take
 from ._security import CurveClient, found_keys
-from ._sockets import (
-    CANCEL_CHECK_S,
-    NOBLOCK,
-    Secure,
-    connect,
-    request,
-    resolve_endpoint,
-    send_bytes,
-)
+from ._subscriber_agent import Agent, Port, Waiters
 from ._text import printable
+from ._worker_state import WorkerState
 
 __all__ = ["Reading", "Subscriber"]
 
 log = logging.getLogger(__name__)
 _APPLY_ATTEMPTS = 100
-_WAKE = b"\x01"  # from the subscriber's own inproc PUB: look at the flags (never a message)
-_WAIT_CAP_S = 0.1
-# The first turn of the wait for a subscription's confirmation (then a new connection).
-SUBSCRIBE_TURN_S = 1.0
-_NEVER = 1 << 63  # above any version: nobody waits for one
 _P = ParamSpec("_P")
 _A = TypeVar("_A")
 _R = TypeVar("_R")
@@ -108,49 +98,6 @@ class Reading:
 
     version: int
     torn: bool = False
-
-
-class _Waiters:
-    """The versions the user's threads wait for in `wait_for_version`.
-
-    With the native extension they sleep on a `gate` (a futex, see `_follow`), opened
-    with every version once its ACK is out. Else on the condition: the agent wakes them
-    only once a version they wait for is applied, and only after its ACK went out: a
-    thread woken on every version (one in ``wait_for_version`` of a far version, or in
-    ``wait_for_stop``) took the GIL from the agent before its ACK was sent, and added a
-    thread wake-up per version to what every worker on the cores pays. `awaited` is
-    read without the lock: a waiter registers under the Subscriber's lock before it
-    sleeps, and the agent stores the version under that lock before it reads.
-    """
-
-    def __init__(self, cond: threading.Condition) -> None:
-        self.cond = cond
-        self.gate = GATE() if GATE is not None else None
-        self.awaited = _NEVER  # the lowest version a thread waits for on the condition
-        self._wanted: list[int] = []
-
-    def add(self, version: int) -> None:
-        """A thread waits for `version` on the condition (caller holds `cond`)."""
-        self._wanted.append(version)
-        self.awaited = min(self.awaited, version)
-
-    def remove(self, version: int) -> None:
-        """It no longer does (caller holds `cond`)."""
-        self._wanted.remove(version)
-        self.awaited = min(self._wanted, default=_NEVER)
-
-    def wake(self, version: int) -> None:
-        """`version` is applied and acked: wake the threads that wait for it, if any."""
-        if self.gate is not None:
-            self.gate.open(version)
-        if version >= self.awaited:
-            with self.cond:
-                self.cond.notify_all()
-
-    def kick(self) -> None:
-        """Wake every waiter to look again (closed, stopped, failed)."""
-        if self.gate is not None:
-            self.gate.kick()
 
 
 class Subscriber:
@@ -213,15 +160,16 @@ class Subscriber:
         self._secure = curve.apply if curve is not None else found_keys(self.name)
         self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)
-        self._waiters = _Waiters(self._cond)
+        self._waiters = Waiters(self._cond, GATE() if GATE is not None else None)
         self._apply_lock = threading.Lock()
         self._closed = False
         self._failure: BaseException | None = None
         self._bus_id = ""  # of the buffers mapped now
-        self._version = -1
+        # version, held (slot, seqlock counter aliased now), the Link's last_seq and
+        # last_heard, applied/native: written by both followers (see `_worker_state`)
+        self._state = WorkerState()
         self._version_bus_id = ""
         self._pending: Offer | None = None
-        self._held: tuple[int, int] | None = None  # (slot, seqlock counter) aliased now
         self._target: Target | None = None
         self._attachment: CpuAttachment | None = None
         self._gpus: list[CudaAttachment] = []
@@ -230,19 +178,15 @@ class Subscriber:
         self._changed_keys: dict[bytes, frozenset[Key]] = {}
         self._sync_devices: tuple[torch.device, ...] = ()  # GPUs the apply reads or writes
         self._transport = Decision("", "")
-        self._agent: _Agent | None = None
-        # applied: versions applied; native: how many of them the native path took
-        self.counters: dict[str, int] = {
-            "applied": 0,
-            "native": 0,
-            "rejected": 0,
-            "foreign": 0,
-            "gaps": 0,
-        }
+        self._agent: Agent | None = None
+        # the Link's counts (applied and native are the state's, see `counters`)
+        self._counts: dict[str, int] = {"rejected": 0, "foreign": 0, "gaps": 0}
         # Driven by the agent thread only (from start()); this thread reads its state. The
         # nonce, drawn once, proves to the publisher that every HELLO of this Subscriber
         # comes from the same process (see `Registry.claim`); the tap never shows it.
-        self._link = Link(self.worker_id, mode, self.counters, nonce=secrets.token_hex(16))
+        self._link = Link(
+            self.worker_id, mode, self._counts, nonce=secrets.token_hex(16), shared=self._state
+        )
 
     # --- lifecycle -----------------------------------------------------------------
 
@@ -261,14 +205,14 @@ class Subscriber:
             return self
         self.address = self._address_arg or _config.default_address(self.name)
         self._pid = os.getpid()
-        self._agent = _Agent(self._link, self._port(), f"zmqsync-sub-{self.name}")
+        self._agent = Agent(self._link, self._port(), f"zmqsync-sub-{self.name}")
         self._agent.start(Deadline(self._timeout))
         _lifecycle.track(self)
         log.info(
             "subscriber %s joined %s at version %d (%s/%s)",
             self.worker_id,
             self.address,
-            self._version,
+            self._state.version,
             self.mode,
             self.apply,
         )
@@ -314,14 +258,22 @@ class Subscriber:
             link = "closed"
         else:
             link = "connected" if self.connected else self._link.state.name.lower()
-        return f"<Subscriber {self.name!r} v{self._version} {self.mode}/{self.apply} {link}>"
+        return f"<Subscriber {self.name!r} v{self._state.version} {self.mode}/{self.apply} {link}>"
 
     # --- what the worker uses ------------------------------------------------------
 
     @property
     def version(self) -> int:
         """The version the model now computes with (-1 before start)."""
-        return self._version
+        return self._state.version
+
+    @property
+    def counters(self) -> dict[str, int]:
+        """What this worker counted: ``applied`` (versions applied), ``native`` (how many
+        of them the native follower took), ``rejected``, ``foreign`` and ``gaps`` (the
+        Link's). A snapshot: a new dict on every read."""
+        state = self._state
+        return {"applied": state.applied, "native": state.native, **self._counts}
 
     @property
     def bus_id(self) -> str:
@@ -417,7 +369,7 @@ class Subscriber:
             ProtocolError: the publisher refused this worker for good (see `refusal`):
                 no version will come.
         """
-        if self._version >= version:  # first: a thread that waits for each next version
+        if self._state.version >= version:  # first: a thread that waits for each next version
             return True  # comes here once per version, with cold caches
         seconds = self._timeout if timeout is DEFAULT else timeout
         gate = self._waiters.gate if self.apply == "background" else None
@@ -427,12 +379,12 @@ class Subscriber:
             # looks at why with the time left.
             start = time.monotonic()
             self._check_usable()
-            if gate.wait(version, seconds) and self._version >= version:
+            if gate.wait(version, seconds) and self._state.version >= version:
                 return True
             if seconds is not None:
                 seconds = max(0.0, seconds - (time.monotonic() - start))
         deadline = Deadline(seconds)
-        while self._version < version:
+        while self._state.version < version:
             self._check_usable()
             if deadline.expired():
                 return False
@@ -442,7 +394,7 @@ class Subscriber:
                 self.poll(deadline.wait_s(0.5))
             else:
                 with self._cond:
-                    if self._version < version:
+                    if self._state.version < version:
                         self._waiters.add(version)
                         try:
                             self._cond.wait(deadline.wait_s(0.5))
@@ -470,7 +422,7 @@ class Subscriber:
         that the block's results must be discarded. Copy mode is never torn.
         """
         with self._lock:
-            held, version, attachment = self._held, self._version, self._attachment
+            held, version, attachment = self._state.held, self._state.version, self._attachment
             devices = self._sync_devices
         reading = Reading(version)
         try:
@@ -494,10 +446,10 @@ class Subscriber:
             state = "closed" if self._closed else "not started"
             raise ClosedError(f"Subscriber {self.name!r} is {state}")
 
-    # --- what the agent may ask (see _Port) ---
+    # --- what the agent may ask (see Port) ---
 
-    def _port(self) -> _Port:
-        return _Port(
+    def _port(self) -> Port:
+        return Port(
             address=self.address,
             secure=self._secure,
             timeout=self._timeout,
@@ -514,10 +466,7 @@ class Subscriber:
             notify=_weakly(self, Subscriber._notify),
             waiters=self._waiters,
             follow=_weakly(self, Subscriber._follower)
-            if FOLLOWER is not None
-            and self.mode == "alias"
-            and self.apply == "background"
-            and self._on_update is None
+            if self.mode == "alias" and self.apply == "background" and self._on_update is None
             else None,
         )
 
@@ -526,7 +475,7 @@ class Subscriber:
         return attachment.header.latest() if attachment is not None else None
 
     def _current_version(self) -> int:
-        return self._version
+        return self._state.version
 
     def _fail(self, exc: BaseException) -> None:
         self._failure = exc
@@ -543,12 +492,12 @@ class Subscriber:
         first = not self._version_bus_id
         applied = self._apply_offer(offer) if first else self._offer(offer)
         if applied is None and self._version_bus_id == offer.bus:
-            applied = self._version  # re-joined the same bus: already computing with it
+            applied = self._state.version  # re-joined the same bus: already computing with it
         return applied
 
     def _offer(self, offer: Offer) -> int | None:
         """A version arrived (agent thread). Background: apply it now. Manual: keep it."""
-        if offer.bus == self._version_bus_id and offer.version <= self._version:
+        if offer.bus == self._version_bus_id and offer.version <= self._state.version:
             return None
         if self.apply == "background":
             return self._apply_offer(offer)
@@ -558,14 +507,17 @@ class Subscriber:
         return None
 
     def _apply_offer(self, offer: Offer) -> int | None:
-        """Apply `offer` or a newer version; the version applied, or None (stale)."""
+        """Apply `offer` or a newer version; the version applied, or None (stale).
+
+        Mirrored in C by Follower.next (``_follower.c``) and in `ReferenceFollower`, for
+        the versions they take: the same writes to the `WorkerState`, under this lock."""
         with self._apply_lock:
             attachment, views, target = self._attachment, self._views, self._target
             if attachment is None or target is None or offer.bus != self._bus_id:
                 return None  # re-handshaken since: a newer offer follows
             header, version, slot = attachment.header, offer.version, offer.slot
             for _ in range(_APPLY_ATTEMPTS):
-                if offer.bus == self._version_bus_id and version <= self._version:
+                if offer.bus == self._version_bus_id and version <= self._state.version:
                     return None
                 counter = header.read_begin(slot, version)
                 if counter is None:  # the slot moved on: take the newest version
@@ -580,7 +532,7 @@ class Subscriber:
                         self._changed(offer.changed)
                         if offer.changed
                         and version == offer.version
-                        and version == self._version + 1
+                        and version == self._state.version + 1
                         and offer.bus == self._version_bus_id
                         else None
                     )
@@ -593,43 +545,58 @@ class Subscriber:
                     target.alias_to(views, slot)
                     if self._sync_devices:  # no queued work reads the old slot
                         _synchronize(self._sync_devices)
-                with self._lock:  # waiters are woken once the ACK is out (see _Waiters)
+                with self._lock:  # waiters are woken once the ACK is out (see Waiters)
                     if offer.bus != self._version_bus_id and self._waiters.gate is not None:
                         self._waiters.gate.open(version)  # a new bus: its numbers start over
-                    self._held = (slot, counter) if self.mode == "alias" else None
-                    self._version, self._version_bus_id = version, offer.bus
-                    self.counters["applied"] += 1
+                    self._state.held = (slot, counter) if self.mode == "alias" else None
+                    self._state.version, self._version_bus_id = version, offer.bus
+                    self._state.applied += 1
                 if self._on_update is not None:
                     self._on_update(version)
                 return version
         raise ZmqSyncError(f"could not read a whole version after {_APPLY_ATTEMPTS} attempts")
 
     def _follower(self, events: zmq.Socket[bytes], acks: zmq.Socket[bytes]) -> Any:
-        """A `_native.Follower` for the versions that follow on these sockets (agent
-        thread), or None where it cannot take them now: no `Switch` (the model is not
-        aliased yet, or not on the CPU), or no version of the mapped bus applied yet."""
+        """A follower for the versions on these sockets (agent thread): the native one
+        where the extension is built, else its twin (`ReferenceFollower`); None where
+        `can_take` says neither may take them now."""
         link = self._link
         with self._apply_lock:
             target, attachment = self._target, self._attachment
             switch = target.switch if target is not None else None
             if (
-                FOLLOWER is None
-                or self._waiters.gate is None
-                or switch is None
-                or not switch.active
-                or switch.swap is None
+                switch is None
                 or attachment is None
-                or self._sync_devices
-                or not self._bus_id
-                or self._version_bus_id != self._bus_id
-                or link.bus_id != self._bus_id
-                or not link.session
+                or not can_take(
+                    switch,
+                    mapped=True,
+                    syncs_devices=bool(self._sync_devices),
+                    bus_id=self._bus_id,
+                    applied_bus=self._version_bus_id,
+                    link_bus=link.bus_id,
+                    session=link.session,
+                )
             ):
                 return None
-            pieces, ranges = receive_pattern(self._bus_id)
             ack_head, ack_tail = template_pieces(
                 Ack, bus=self._bus_id, worker_id=link.worker_id, session=link.session
             )
+            gate = self._waiters.gate
+            if FOLLOWER is None or gate is None:
+                return ReferenceFollower(
+                    events=events,
+                    acks=acks,
+                    bus=self._bus_id,
+                    ack_head=ack_head,
+                    ack_tail=ack_tail,
+                    header=attachment.header,
+                    slots=len(self._views),
+                    switch=switch,
+                    state=self._state,
+                    lock=self._lock,
+                    opened=self._waiters.wake,
+                )
+            pieces, ranges = receive_pattern(self._bus_id)
             return FOLLOWER(
                 libzmq=libzmq_path(),
                 events=events,
@@ -639,13 +606,13 @@ class Subscriber:
                 ack_head=ack_head,
                 ack_tail=ack_tail,
                 header=attachment.header_address(),
+                header_words=HEADER_BYTES // 8,
+                first_slot_word=FIRST_SLOT_WORD,
                 slots=len(self._views),
                 switch=switch,
-                owner=weakref.ref(self),
+                state=self._state,
                 lock=self._lock,
-                counters=self.counters,
-                link=link,
-                gate=self._waiters.gate,
+                gate=gate,
                 error=zmq_error,
             )
 
@@ -826,414 +793,3 @@ def _weakly_1(obj: _S, method: Callable[[_S, _A], _R]) -> Callable[[_A], _R]:
         return method(target, arg)
 
     return call
-
-
-@dataclass(frozen=True, slots=True)
-class _Port:
-    """Everything the agent thread may ask of its Subscriber, and nothing else.
-
-    The calls are weak: the thread never keeps an unclosed Subscriber alive. When one is
-    collected (in a reference cycle its weak references die before its finalizer runs),
-    a call raises ReferenceError; the thread then says BYE with what the Link holds.
-    """
-
-    address: str  # the control address
-    secure: Secure  # CURVE for every socket, or None
-    timeout: float | None  # the handshake's (caps the wait for the subscription)
-    transport: Callable[[], Decision]  # what the first HELLO asks for
-    # map a WELCOME's buffers (None) or name the transport a second HELLO must ask for
-    adopt: Callable[[Welcome, Hello, Decision | None], Decision | None]
-    latest: Callable[[], tuple[int, int] | None]  # the mapped header's latest
-    join: Callable[[Offer], int | None]  # after a WELCOME: the version to ACK
-    offer: Callable[[Offer], int | None]  # a version arrived: the version to ACK
-    version: Callable[[], int]  # what the model computes with
-    fail: Callable[[BaseException], None]  # the thread failed: raise it to the user
-    notify: Callable[[], None]  # the link changed: wake whoever waits on it
-    waiters: _Waiters  # wake those waiting for a version once it is acked
-    # the native path for the versions that follow, on these events and acks sockets;
-    # None where this subscriber never takes it (see `_follow`)
-    follow: Callable[[zmq.Socket[bytes], zmq.Socket[bytes]], Any] | None
-
-
-class _Agent:
-    """The thread that owns the subscriber's sockets (handshake REQ, events SUB, acks PUSH).
-
-    A socket loop: what to do with each message and each beat is the `Link`'s decision;
-    applying is the Subscriber's (through `port`).
-    """
-
-    def __init__(self, link: Link, port: _Port, name: str) -> None:
-        self.link = link
-        self.port = port
-        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        self.events: zmq.Socket[bytes] | None = None
-        self.acks: zmq.Socket[bytes] | None = None
-        self._started = threading.Event()
-        self._startup: BaseException | None = None
-        self._deadline = Deadline(10.0)
-        self._terminating = False
-        # `acks` is used by the agent and, in manual mode, by the user's thread (ACK after
-        # poll()); both send under this lock.
-        self._send_lock = threading.Lock()
-        self._acks: tuple[str, str, Callable[[int], bytes]] | None = None  # session, bus
-        # The native path (see `_follow`), built for one handshake's sockets and session.
-        self._follower: Any = None
-        self._follow_tries = 0
-        # The agent blocks in recv() on its SUB socket, which is also connected to this
-        # inproc PUB: close() wakes it with one frame (see `_loop`).
-        self._wake = self.ctx.socket(zmq.PUB)
-        self._wake.linger = 0
-        self._wake_addr = f"inproc://zmqsync-sub-wake-{id(self)}"
-        self._wake.bind(self._wake_addr)
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-
-    @property
-    def session(self) -> str:
-        """This worker's session on the bus joined ("" before the first WELCOME)."""
-        return self.link.session
-
-    def start(self, deadline: Deadline) -> None:
-        self._deadline = deadline
-        self._thread.start()
-        # The handshake itself is bounded by `deadline`; the margin covers the apply.
-        margin = deadline.remaining()
-        self._started.wait(None if margin is None else margin + 30.0)
-        if self._startup is not None or not self._started.is_set():
-            failure = self._startup or ConnectTimeout("subscriber did not start in time")
-            self.stop()
-            raise failure
-
-    def wake(self) -> None:
-        with self._send_lock:
-            if not self._wake.closed:
-                self._wake.send(_WAKE)
-
-    def ack_from_user(self, version: int, bus: str) -> None:
-        """Manual mode: ACK what the user's thread just applied (if still on that bus)."""
-        if bus == self.link.bus_id:
-            self._ack(version)
-
-    def stop(self) -> None:
-        if self._thread.is_alive():
-            self._terminating = True
-            self.wake()
-            self._thread.join(_config.THREAD_JOIN_S)
-        with self._send_lock:
-            self._wake.close()
-        if not self._thread.is_alive():
-            self.ctx.destroy(linger=0)
-            return
-        # Still inside a libzmq call (a REQ send no peer takes blocks for good): closing
-        # its sockets from this thread may abort the process. Terminating the context
-        # makes that call raise ContextTerminated instead; the agent then closes its
-        # sockets, which the term (on a thread of its own) waits for.
-        log.warning("subscriber agent thread did not stop within its deadline")
-        threading.Thread(target=self.ctx.term, name="zmqsync-sub-term", daemon=True).start()
-
-    # --- agent thread ---
-
-    def _run(self) -> None:
-        try:
-            self._handshake(self._deadline, attempts=_config.HANDSHAKE_ATTEMPTS)
-        except BaseException as exc:
-            self._startup = exc
-            self._close_sockets()
-            self._started.set()
-            return
-        self._started.set()
-        try:
-            self._loop()
-        except ReferenceError:
-            pass  # the Subscriber was collected; its finalizer is stopping this thread
-        except zmq.ContextTerminated:
-            pass  # stop() gave up waiting and terminated the context (see there)
-        except BaseException as exc:
-            log.exception("subscriber agent failed")
-            with contextlib.suppress(ReferenceError):
-                self.port.fail(exc)
-        finally:
-            bye = self.link.close()
-            if bye is not None:
-                self._send(bye, linger_ms=200)
-            self._close_sockets()
-            with contextlib.suppress(ReferenceError):
-                self.port.notify()
-
-    def _close_sockets(self) -> None:
-        self._follower = None
-        with self._send_lock:
-            for sock in (self.events, self.acks):
-                if sock is not None:
-                    sock.close()
-
-    def _handshake(self, deadline: Deadline, attempts: int) -> None:
-        link, port = self.link, self.port
-        self._follower, self._follow_tries = None, 0  # its sockets and session go
-        transport, note = port.transport()
-        hello = link.hello(os.getpid(), socket.gethostname()[:255], transport, note)
-        reply = self._request_welcome(hello, deadline, attempts)
-        # map and check the buffers first: a hostile WELCOME stops here
-        fallback = port.adopt(reply, hello, None)
-        if fallback is not None:  # what the HELLO asked for cannot work here: say why
-            hello = link.fallback_hello(hello, reply, fallback.transport, fallback.reason)
-            reply = self._request_welcome(hello, deadline, attempts)
-            port.adopt(reply, hello, fallback)
-        events = resolve_endpoint(port.address, reply.events)
-        self._subscribe(events, deadline, reply.heartbeat)
-        acks = connect(self.ctx, zmq.PUSH, resolve_endpoint(port.address, reply.acks), port.secure)
-        acks.setsockopt(zmq.SNDHWM, 10_000)
-        with self._send_lock:  # the user's thread may be sending a manual-mode ACK
-            if self.acks is not None:
-                self.acks.close()
-            self.acks = acks
-        offer = link.welcome(reply, time.monotonic(), port.latest())
-        port.notify()  # connected, and not stopped
-        if offer is None or self._terminating:
-            return
-        applied = port.join(offer)
-        if applied is not None:
-            self._applied(applied)
-
-    def _request_welcome(self, hello: Hello, deadline: Deadline, attempts: int) -> Welcome:
-        """HELLO -> WELCOME (Lazy Pirate), retried while the publisher says it is busy."""
-        address = self.port.address
-        while True:
-            reply = request(
-                self.ctx,
-                address,
-                hello,
-                deadline=deadline,
-                attempts=attempts,
-                secure=self.port.secure,
-                cancelled=self._cancelled,
-            )
-            if not (isinstance(reply, Error) and reply.reason.startswith("busy:")):
-                break
-            # Busy (a HELLO storm, or our worker id still held by a session that has not
-            # gone silent yet): retry while a retry can still get an answer in time, then
-            # report the refusal rather than a timeout.
-            left = deadline.remaining()
-            if (left is not None and left < 0.25) or self._terminating:
-                break
-            time.sleep(0.05)
-        if isinstance(reply, Error):
-            final = self.link.refused(reply.reason)
-            if final is not None:
-                self._give_up(final)
-            raise ProtocolError(f"the publisher at {address} refused us: {reply.reason}")
-        if not isinstance(reply, Welcome):
-            raise ProtocolError(f"expected WELCOME, got {reply.TYPE}")
-        # endpoints first: a WELCOME pointing elsewhere is refused before anything is mapped
-        resolve_endpoint(address, reply.events)
-        resolve_endpoint(address, reply.acks)
-        return reply
-
-    def _subscribe(self, endpoint: str, deadline: Deadline, heartbeat: float) -> None:
-        """Connect SUB and wait until the publisher confirms the subscription is live.
-
-        The wait is in turns (SUBSCRIBE_TURN_S or two beats, doubling each turn): a
-        connection whose confirmation has not come by the end of a turn is replaced by a
-        new one, rather than waited on for the whole deadline (on a saturated host a
-        worker once waited its whole timeout on one that never confirmed).
-        """
-        turn = max(SUBSCRIBE_TURN_S, 2 * heartbeat)
-        while True:
-            events = self._connect_events(endpoint, heartbeat)
-            this_turn = Deadline(deadline.wait_s(turn))
-            while not this_turn.expired() and not self._terminating:
-                if events.poll(this_turn.poll_ms(cap_s=CANCEL_CHECK_S)) & zmq.POLLIN:
-                    if events.recv() == XPUB_WELCOME:
-                        return
-            if deadline.expired() or self._terminating:
-                raise ConnectTimeout(f"no subscription confirmation from {endpoint} in time")
-            log.debug(
-                "no subscription confirmation from %s in %.1f s: reconnecting", endpoint, turn
-            )
-            turn *= 2
-
-    def _connect_events(self, endpoint: str, heartbeat: float) -> zmq.Socket[bytes]:
-        """A new SUB on `endpoint` (and on the wake-up pipe), replacing the one there was."""
-        if self.events is not None:
-            self.events.close()
-        # The largest legal event: a RECEIVE of the largest bus, with its `changed` bitmap
-        self.events = connect(self.ctx, zmq.SUB, endpoint, self.port.secure, max_bytes=MAX_EVENT)
-        self.events.setsockopt(zmq.SUBSCRIBE, b"")
-        self.events.setsockopt(zmq.RCVHWM, 100_000)
-        self.events.connect(self._wake_addr)
-        # The loop's longest wait: a fraction of a beat, and short enough that a lost
-        # wake-up frame still lets close() finish soon.
-        self.events.rcvtimeo = max(1, int(min(heartbeat / 2, _WAIT_CAP_S) * 1000))
-        return self.events
-
-    def _loop(self) -> None:
-        # One blocking recv() on the SUB socket, not a poller over several sockets: a
-        # zmq_poll per version cost a worker ~20 us of CPU, as much as the rest of a raw
-        # round trip. The socket's RCVTIMEO bounds the wait (heartbeats, the LOST
-        # state's retries), and close() wakes it through the inproc PUB it is also
-        # connected to. The clock is read again after a frame: an apply may have taken
-        # a while, and a beat due since must not wait for the next frame or timeout.
-        #
-        # A RECEIVE of our bus, one per version, takes the short way: its fields read in
-        # one call (no message object), the Link's rule for it, the apply, the ACK. On
-        # a machine where every worker's thread comes to its version with cold caches,
-        # each call and object on this way costs microseconds, and every worker's pay
-        # adds up before the last ACK is in. Where the native Follower can be used (see
-        # `_follow`), it blocks in the receive instead and takes those versions itself;
-        # what it leaves comes here as a frame, as from recv().
-        link, port = self.link, self.port
-        while not self._terminating:
-            events = self.events
-            if events is None:  # not subscribed (between handshake attempts)
-                time.sleep(min(link.heartbeat, _WAIT_CAP_S))
-                frame = None
-            elif self._follower is not None:  # the native path: it hands us what it left
-                frame = self._follow(self._follower, port)
-            else:
-                try:
-                    frame = events.recv()
-                except zmq.Again:  # RCVTIMEO: time to look at the clock
-                    frame = None
-            if frame is not None:  # a frame queued behind it is the next recv()'s, at once
-                fields = read_receive(frame, link.bus_id)
-                if fields is not None:
-                    seq, version, slot, changed = fields
-                    action = link.on_receive(seq, version, slot, changed, time.monotonic())
-                    if type(action) is Offer:
-                        applied = port.offer(action)
-                        if applied is not None:
-                            self._applied(applied)
-                    elif action is not None:
-                        self._do(action)
-                elif frame != XPUB_WELCOME and frame != _WAKE:
-                    self._on_frame(frame, time.monotonic())
-            now = time.monotonic()
-            if now >= link.next_tick:
-                for due in link.tick(now, port.version()):
-                    self._do(due)
-
-    def _follow(self, follower: Any, port: _Port) -> bytes | None:
-        """Let the Follower take the versions it can; the frame it left for us, if any."""
-        link = self.link
-        got = follower.next(link.last_seq, port.version(), link.next_tick)
-        if type(got) is int:  # applied and acked there, the gate opened: a beat is due
-            return None
-        if type(got) is tuple:  # applied there; its ACK did not fit in the queue
-            self._applied(got[0])
-            return None
-        return got  # type: ignore[no-any-return]
-
-    def _on_frame(self, frame: bytes, now: float) -> None:
-        try:
-            msg = decode(frame)
-        except ProtocolError as exc:
-            self.link.on_invalid()
-            log.debug("dropped event: %s", printable(exc))
-            return
-        action = self.link.on_event(msg, now)
-        if action is not None:
-            self._do(action)
-
-    def _applied(self, version: int) -> None:
-        """`version` is what the model computes with now: ACK it, then wake its waiters.
-        Applied the Python way: from now on the native path may take the versions (a few
-        tries per handshake, as the first versions may come before the model is bound
-        to a `Switch`)."""
-        self._ack(version)
-        self.port.waiters.wake(version)
-        follow = self.port.follow
-        if follow is not None and self._follower is None and self._follow_tries < 3:
-            events, acks = self.events, self.acks
-            if events is not None and acks is not None:
-                self._follow_tries += 1
-                self._follower = follow(events, acks)
-
-    def _do(self, action: Action) -> None:
-        """Carry out what the Link decided."""
-        if isinstance(action, Offer):  # first: one per version
-            applied = self.port.offer(action)
-            if applied is not None:
-                self._applied(applied)
-        elif isinstance(action, Heartbeat):
-            self._send(action)
-        elif isinstance(action, Repair):
-            offer = self.link.repair(self.port.latest())
-            if offer is not None:
-                self._do(offer)
-        elif isinstance(action, Lost):
-            log.info(
-                "subscriber %s lost the publisher: %s",
-                self.link.worker_id,
-                printable(action.reason),
-            )
-            self.port.notify()
-        elif isinstance(action, Stopped):
-            self.port.notify()
-        elif isinstance(action, Rejected):
-            log.debug("dropped %s", action.reason)
-        elif isinstance(action, Handshake):
-            self._rejoin()
-
-    def _rejoin(self) -> None:
-        """LOST: one handshake attempt (the Link asks at once, then once per beat), with
-        the deadline the Link gives it (`Link.rejoin_deadline`: not shorter than a
-        handshake on a loaded host, growing while attempts fail). An attempt cut short
-        costs nothing but time: the next HELLO carries the same nonce, so the session
-        the publisher registered for the one given up on never stands in its way. Every
-        wait in it ends at once when the Subscriber closes.
-        """
-        seconds = self.link.rejoin_deadline()
-        try:
-            self._handshake(Deadline(seconds), attempts=1)
-            log.info(
-                "subscriber %s re-joined %s at version %d",
-                self.link.worker_id,
-                self.port.address,
-                self.port.version(),
-            )
-        except (ConnectTimeout, ProtocolError, BufferUnavailable) as exc:
-            # BufferUnavailable: the segment a WELCOME named is gone — its publisher was
-            # killed and the next one's start collected it. The next attempt gets the
-            # new publisher's WELCOME; giving up here would strand the worker for good.
-            self.link.rejoin_failed(seconds)
-            log.debug("re-handshake failed: %s", printable(exc))
-
-    def _cancelled(self) -> bool:
-        return self._terminating
-
-    def _give_up(self, refused: Stopped) -> None:
-        """A final refusal (the Link is REFUSED): close the bus's sockets, wake waiters."""
-        log.warning("subscriber %s stops: %s", self.link.worker_id, printable(refused.reason))
-        self._follower = None
-        with self._send_lock:
-            for sock in (self.events, self.acks):
-                if sock is not None:
-                    sock.close()
-            self.events = self.acks = None
-        self._do(refused)
-
-    def _ack(self, version: int) -> None:
-        """ACK from a template: bus and session change only on a re-join (the worker id
-        never does)."""
-        link = self.link
-        acks = self._acks
-        if acks is None or acks[0] != link.session or acks[1] != link.bus_id:
-            bus, session = link.bus_id, link.session  # a race only builds it twice
-            ack = template(Ack, bus=bus, worker_id=link.worker_id, session=session)
-            acks = self._acks = (session, bus, ack)
-        self._send_frame(acks[2](version), Ack.TYPE)
-
-    def _send(self, msg: Bye | Heartbeat, linger_ms: int = 0) -> None:
-        self._send_frame(encode(msg), msg.TYPE, linger_ms)
-
-    def _send_frame(self, frame: bytes, kind: str, linger_ms: int = 0) -> None:
-        with self._send_lock:
-            if self.acks is None or self.acks.closed or not self.link.session:
-                return
-            try:
-                send_bytes(self.acks, frame, NOBLOCK)
-            except zmq.Again:
-                log.debug("acks queue full: %s dropped", kind)
-            except zmq.ContextTerminated:  # stop() gave up on this thread
-                return
-            if linger_ms:
-                self.acks.linger = linger_ms

@@ -16,14 +16,16 @@ makes the counter protocol sound without explicit fences (see docs/guide.md).
 
 from __future__ import annotations
 
-__all__ = ["HEADER_BYTES", "MAGIC", "Header"]
+__all__ = ["FIRST_SLOT_WORD", "HEADER_BYTES", "MAGIC", "Header"]
 
 HEADER_BYTES = 4096
 MAGIC = 0x315F434E5953514D  # b"MQSYNC_1" little-endian
 _EMPTY = (1 << 64) - 1
 # word indices
 _MAGIC, _SLOTS, _SLOT_BYTES, _LATEST_LOCK, _LATEST_VERSION, _LATEST_SLOT = range(6)
-_FIRST_SLOT = 8
+# a slot's words: (seqlock counter, version) at FIRST_SLOT_WORD + 2 * slot. The native
+# follower (``_follower.c``) is given these at construction rather than its own copy.
+FIRST_SLOT_WORD = _FIRST_SLOT = 8
 MAX_SLOTS = (HEADER_BYTES // 8 - _FIRST_SLOT) // 2
 
 
@@ -74,7 +76,10 @@ class Header:
     # --- reader side ---
 
     def read_begin(self, slot: int, version: int) -> int | None:
-        """The counter to check later, or None if `slot` does not now hold `version`."""
+        """The counter to check later, or None if `slot` does not now hold `version`.
+
+        Mirrored in C by Follower.next (``_follower.c``), which reads the same two words.
+        """
         i = _FIRST_SLOT + 2 * slot
         counter = self._words[i]
         if counter & 1 or self._words[i + 1] != version:
