@@ -237,3 +237,23 @@ def test_the_native_follower_refuses_a_state_without_the_slots_it_writes():
             env.follower("native")
         env.state = WorkerState()
         env.follower("native")  # the real one passes
+
+
+def test_the_native_follower_refuses_a_switch_without_the_attributes_it_uses():
+    """The Switch's attributes the C reads and writes by name are checked when it is
+    built: one renamed on the Python side fails there, never at the first version."""
+    _native()
+    assert {"model", "swap", "holders", "at", "active"} <= set(Switch.__slots__)
+
+    class Renamed:
+        __slots__ = ("model", "swap", "holders", "position", "active")
+
+    with _env("renamed-switch") as env:
+        real, renamed = env.switch, Renamed()
+        renamed.model, renamed.swap, renamed.holders = real.model, real.swap, real.holders
+        renamed.position, renamed.active = real.at, real.active
+        env.switch = renamed  # type: ignore[assignment]
+        with pytest.raises(TypeError, match="no attribute at"):
+            env.follower("native")
+        env.switch = real
+        env.follower("native")  # the real one passes

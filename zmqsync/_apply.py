@@ -224,7 +224,13 @@ class Switch:
     None), and a slot not yet pointed at has none yet. A native `Follower` switches by
     the same steps on these same attributes; `active` is False once the `Target` has
     dropped this switch.
+
+    `__slots__`: the native Follower reads and writes `model`, `swap`, `holders`, `at`
+    and `active` by name; it checks them when it is built, and a renamed one can never
+    become a stale attribute beside the real one.
     """
+
+    __slots__ = ("model", "swap", "tensors", "_size", "holders", "at", "active")
 
     def __init__(
         self,

@@ -219,6 +219,21 @@ static int follower_init(Follower *self, PyObject *args, PyObject *kwds)
         }
         return -1;
     }
+    /* what point_at reads and writes on every version: renamed in Python, the
+     * construction fails here, not the first version */
+    static const char *const used[] = {"model", "at", "active"};
+    for (size_t i = 0; i < sizeof used / sizeof used[0]; i++) {
+        PyObject *value = PyObject_GetAttrString(switch_, used[i]);
+        if (value == NULL) {
+            Py_DECREF(holders);
+            Py_DECREF(swap);
+            PyErr_Format(PyExc_TypeError,
+                         "switch: %s has no attribute %s, which the native follower uses; "
+                         "rename it in _follower.c too", Py_TYPE(switch_)->tp_name, used[i]);
+            return -1;
+        }
+        Py_DECREF(value);
+    }
     if (!PyList_CheckExact(holders) || PyList_GET_SIZE(holders) != slots) {
         Py_DECREF(holders);
         Py_DECREF(swap);
