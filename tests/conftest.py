@@ -134,6 +134,26 @@ def deadline_listdir(path: str, timeout: float = 2.0) -> list[str]:
 
 
 @pytest.fixture
+def ctx():
+    """A ZeroMQ context for the test's own sockets, destroyed after it."""
+    import zmq
+
+    context = zmq.Context()
+    yield context
+    context.destroy(linger=0)
+
+
+@pytest.fixture
+def burners():
+    """start(n, seconds) -> CPU-bound processes, all killed after the test: a saturated
+    host is the normal case for our users (see `tests.helpers.load.Burners`)."""
+    from tests.helpers.load import Burners  # it imports this module
+
+    with Burners() as procs:
+        yield procs.start
+
+
+@pytest.fixture
 def name() -> str:
     return f"t{uuid.uuid4().hex[:8]}"
 

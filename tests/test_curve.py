@@ -32,13 +32,6 @@ assert PUBLISH_TIMEOUT_S < HEARTBEAT_S * LOST_AFTER_BEATS / 2
 PUBLISHES = 5
 
 
-@pytest.fixture
-def ctx():
-    context = zmq.Context()
-    yield context
-    context.destroy(linger=0)
-
-
 def _loopback() -> str:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -386,6 +386,14 @@ def interfaces(d: Docker, container: str) -> list[str]:
     return d("exec", container, "python3", "-c", code).split()
 
 
+def assert_volume_empty(d: Docker, volume: str) -> None:
+    """Nothing left in `volume` (what close() must remove is gone before `down -v`)."""
+    left = d(
+        "run", "--rm", "--network", "none", "-v", f"{volume}:/volume", IMAGE, "ls", "-A", "/volume"
+    )
+    assert left.split() == [], left
+
+
 def worker_summary(records: list[dict[str, Any]]) -> dict[str, Any]:
     summaries = [r for r in records if r.get("event") == "summary"]
     assert summaries, f"no summary line: {records[-3:]}"
@@ -574,11 +582,7 @@ def test_compose_tmpfs_volume_variant(docker: Docker) -> None:
             wait_until(lambda w=w: project.status(w) == "exited", 60, f"{w} to exit")
             check_worker(w, project.records(w), done["version"])
         # close() unlinked the segment: the volume is empty before `down -v` drops it
-        left = docker(
-            "run", "--rm", "--network", "none", "-v", f"{volume}:/segments", IMAGE,
-            "ls", "-A", "/segments",
-        )  # fmt: skip
-        assert left.split() == [], left
+        assert_volume_empty(docker, volume)
     except BaseException:
         print(project.logs_tail())
         raise
@@ -644,11 +648,7 @@ def test_compose_curve_variant(docker: Docker) -> None:
             assert done["version"] in acked, f"sniffer: no ack of the last version from {w}"
         # close() removed the keys: the volume is empty before `down -v` drops it
         (volume,) = docker.ids(project.name, kind="volume")
-        left = docker(
-            "run", "--rm", "--network", "none", "-v", f"{volume}:/keys", IMAGE,
-            "ls", "-A", "/keys",
-        )  # fmt: skip
-        assert left.split() == [], left
+        assert_volume_empty(docker, volume)
     except BaseException:
         print(project.logs_tail())
         raise

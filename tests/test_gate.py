@@ -20,13 +20,6 @@ from zmqsync._connections import Gate
 pytestmark = pytest.mark.timeout(60)
 
 
-@pytest.fixture
-def ctx():
-    context = zmq.Context()
-    yield context
-    context.destroy(linger=0)
-
-
 def _sockets() -> set[int]:
     """This process's descriptors that are sockets (listing them opens a descriptor:
     never while a connection whose number matters is being accepted)."""

@@ -27,24 +27,9 @@ from zmqsync._protocol import Heartbeat, Hello, Inspect, State, Welcome, decode,
 from zmqsync._sockets import request
 
 from .conftest import ROOT
-from .helpers.load import Burners
 
 STORM = str(ROOT / "tools" / "hello_storm.py")
 HELPERS = str(ROOT / "tests" / "helpers") + "/"
-
-
-@pytest.fixture
-def ctx():
-    context = zmq.Context()
-    yield context
-    context.destroy(linger=0)
-
-
-@pytest.fixture
-def burners():
-    """start(n, seconds) -> CPU-bound processes (see `Burners`)."""
-    with Burners() as procs:
-        yield procs.start
 
 
 def _applied(proc, version, timeout=60):

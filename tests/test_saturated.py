@@ -29,13 +29,6 @@ HELPERS = ROOT / "tests" / "helpers"
 TENSORS = 2000  # the model of the reports: a handshake's WELCOME names every tensor
 
 
-@pytest.fixture
-def burners():
-    """start(n, seconds) -> CPU-bound processes (see `Burners`)."""
-    with Burners() as procs:
-        yield procs.start
-
-
 def _model() -> dict[str, torch.Tensor]:
     return {f"layer{i}.weight": torch.full((16,), float(i)) for i in range(TENSORS)}
 

@@ -29,13 +29,6 @@ class _Canary:
         return (open, (self.path, "w"))
 
 
-@pytest.fixture
-def ctx():
-    context = zmq.Context()
-    yield context
-    context.destroy(linger=0)
-
-
 def _raw(ctx, kind, endpoint):
     sock = ctx.socket(kind)
     sock.linger = 0

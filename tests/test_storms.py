@@ -12,13 +12,10 @@ from __future__ import annotations
 import signal
 import socket
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-import zmq
 
 from zmqsync._deadline import Deadline
 from zmqsync._protocol import Inspect, State
@@ -34,23 +31,6 @@ JOIN_DEADLINE_S = 10.0  # what each worker allows itself (the default Subscriber
 # shared allowance at once, however fast this host lets it connect (loopback tcp here
 # takes a few hundred connections a second, ipc tens of thousands).
 RATE = "20"
-
-
-@pytest.fixture
-def ctx():
-    context = zmq.Context()
-    yield context
-    context.destroy(linger=0)
-
-
-@pytest.fixture
-def burners():
-    """Two processes that spin: a saturated host is the normal case for our users."""
-    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
-    yield
-    for proc in procs:
-        proc.kill()
-        proc.wait(10)
 
 
 def _free_port() -> int:
@@ -154,6 +134,7 @@ def test_workers_join_during_a_connect_storm_on_the_events_socket(
 
 
 def test_workers_join_during_a_storm_on_a_saturated_host(ctx, spawn, name, tmp_path, burners):
+    burners(2, 300)  # both cores busy for the whole test (ended with it)
     victim, address = _victim(spawn, name)
     storm = _storm(spawn, _state(ctx, address, name).events)
     _assert_all_joined(_join_during(spawn, tmp_path, address, name))

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import json
 import os
 import shutil
@@ -50,6 +49,8 @@ import uuid
 from pathlib import Path
 from typing import IO, Any
 
+from fixed_cost import _die_with_parent, _say  # this folder: the same role helpers
+
 HERE = Path(__file__).resolve()
 ROOT = HERE.parents[1]
 READY_S = 600.0  # N workers importing torch on a loaded 2-core machine take a while
@@ -59,18 +60,6 @@ STORM_LEAD_S = 1.0  # the storm runs this long before the joins start
 HELD_ID = "storm-held"
 CONNECT_STORM = HERE.parent / "connect_storm.py"
 _CONNECTS = ("events", "zmtp", "tap", "curve")
-
-
-def _die_with_parent() -> None:
-    """Linux: SIGKILL this process when its parent dies (no orphan keeps sockets)."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    if os.getppid() == 1:
-        os._exit(1)
-
-
-def _say(**record: Any) -> None:
-    print(json.dumps(record), flush=True)
 
 
 def _model() -> Any:
