@@ -25,7 +25,17 @@ import dataclasses
 from bisect import bisect_left
 from collections.abc import Mapping, MutableMapping
 
-__all__ = ["APPLY", "BOUNDS_US", "PUBLISH", "Histogram", "Keys", "read", "record"]
+__all__ = [
+    "APPLY",
+    "BOUNDS_US",
+    "PUBLISH",
+    "Histogram",
+    "Keys",
+    "quantile",
+    "read",
+    "record",
+    "since",
+]
 
 # From a tiny model applied in one worker (tens of us) to a large one to many (seconds).
 BOUNDS_US = (
@@ -97,3 +107,28 @@ def read(counts: Mapping[str, int], keys: Keys) -> Histogram:
         total += hits[bound]
         cumulative.append((bound / 1e6, total))
     return Histogram(tuple(cumulative), total, counts.get(keys.sum, 0) / 1e6)
+
+
+def since(now: Histogram, before: Histogram | None) -> Histogram:
+    """What was recorded between two readings of one histogram (`now` if `before` is
+    None, or if the counts went down: a restarted publisher counts from zero)."""
+    if before is None or before.count > now.count or len(before.buckets) != len(now.buckets):
+        return now
+    buckets = tuple((b, n - m) for (b, n), (_, m) in zip(now.buckets, before.buckets, strict=True))
+    return Histogram(buckets, now.count - before.count, now.sum - before.sum)
+
+
+def quantile(hist: Histogram, q: float) -> float | None:
+    """The `q` quantile in seconds, estimated as Prometheus' histogram_quantile does:
+    linear inside the bucket it falls in; the last finite bound if it falls above it.
+    None without any count."""
+    if hist.count == 0:
+        return None
+    rank, lower, below = q * hist.count, 0.0, 0
+    for bound, cumulative in hist.buckets:
+        if cumulative >= rank and cumulative > below:
+            if bound == float("inf"):
+                return lower
+            return lower + (bound - lower) * (rank - below) / (cumulative - below)
+        lower, below = bound, cumulative
+    return lower
