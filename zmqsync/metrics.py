@@ -43,6 +43,7 @@ except ImportError as exc:  # pragma: no cover - the extra is installed in CI
 
 from ._bus_sample import BusSample, from_publisher, from_state
 from ._histogram import APPLY, PUBLISH, Keys, read
+from ._text import printable
 
 __all__ = ["PublisherCollector", "StateCollector", "SubscriberCollector"]
 
@@ -72,7 +73,13 @@ def _add_histogram(
 
 
 def bus_families(bus: str, sample: BusSample | None) -> list[Metric]:
-    """Every metric of one bus; `sample` None: its publisher did not answer (up 0 only)."""
+    """Every metric of one bus; `sample` None: its publisher did not answer (up 0 only).
+
+    Label values a peer chose (bus name, worker id, host) are made `printable`: the
+    exposition format escapes only quotes, backslashes and newlines, and a scrape read
+    with curl on a terminal must not run a peer's escape sequences.
+    """
+    bus = printable(bus)
     up = GaugeMetricFamily(
         "zmqsync_up", "1 if the bus's publisher answered this scrape, else 0", labels=["bus"]
     )
@@ -106,11 +113,11 @@ def bus_families(bus: str, sample: BusSample | None) -> list[Metric]:
         labels=[*per, "mode", "transport", "host", "pid"],
     )
     for w in sample.workers:
-        who = [bus, w.worker_id]
+        who = [bus, printable(w.worker_id)]
         w_version.add_metric(who, float(w.version))
         w_lag.add_metric(who, float(w.lag))
         w_silent.add_metric(who, w.silent_s)
-        w_info.add_metric([*who, w.mode, w.transport, w.host, str(w.pid)], 1.0)
+        w_info.add_metric([*who, w.mode, w.transport, printable(w.host), str(w.pid)], 1.0)
     seconds = _histogram(
         "zmqsync_publish_seconds",
         "from publish() to the last worker's ack, for publishes whose end was waited for",
@@ -233,7 +240,7 @@ def _worker_families(subscribers: Iterable[Any]) -> list[Metric]:
         labels=[*labels, "reason"],
     )
     for sub in subscribers:
-        key, c = [sub.name, sub.worker_id], sub.counters
+        key, c = [printable(sub.name), printable(sub.worker_id)], sub.counters
         version.add_metric(key, float(sub.version))
         connected.add_metric(key, 1.0 if sub.connected else 0.0)
         _add_histogram(seconds, key, c, APPLY)
