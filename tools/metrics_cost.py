@@ -20,8 +20,9 @@ trainer's, where a scrape lands.
     .venv/bin/python tools/metrics_cost.py                  # 2 workers, 1 MB, 30 rounds
     .venv/bin/python tools/metrics_cost.py --workers 4 --size-mb 16 --json /tmp/m.json
 
-Prints a table (p50, p99, mean, publishes, scrapes per second while on) and the load
-average at the start and the end; ``--json PATH`` writes every sample.
+Prints a table (p50, p99, mean, the trainer's CPU time per publish, counted over every
+thread of the trainer process, the exporter's CPU time, scrapes per second while on)
+and the load average at the start and the end; ``--json PATH`` writes every sample.
 """
 
 from __future__ import annotations
@@ -93,6 +94,13 @@ def _wait_http(port: int, timeout: float) -> None:
             time.sleep(0.1)
 
 
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) a process has used, from /proc."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -125,6 +133,9 @@ def main() -> int:
     model = torch.nn.Sequential(*(torch.nn.Linear(width, width) for _ in range(4)))
     procs: list[subprocess.Popen[str]] = []
     samples: dict[str, list[float]] = {"quiet": [], "scraped": []}
+    # CPU seconds per side: the trainer's (every thread: its agent answers the scrapes'
+    # INSPECTs) and the exporter's
+    cpu = {side: {"trainer": 0.0, "exporter": 0.0} for side in samples}
     load_start = os.getloadavg()
     cli = [sys.executable, "-m", "zmqsync"]
     try:
@@ -142,14 +153,13 @@ def main() -> int:
             if not pub.wait_for_workers(args.workers, timeout=600):
                 raise SystemExit("the workers did not join within 600 s")
             port = _free_port()
-            procs.append(
-                subprocess.Popen(
-                    [*cli, "metrics", "--name", name, "--port", str(port)],
-                    env=env,
-                    stdout=subprocess.DEVNULL,
-                    text=True,
-                )
+            exporter = subprocess.Popen(
+                [*cli, "metrics", "--name", name, "--port", str(port)],
+                env=env,
+                stdout=subprocess.DEVNULL,
+                text=True,
             )
+            procs.append(exporter)
             _wait_http(port, 120)
             scraper = subprocess.Popen(
                 [sys.executable, __file__, "--scraper", str(port), "--every", str(args.every)],
@@ -168,9 +178,12 @@ def main() -> int:
                     scraper.send_signal(signal.SIGUSR1 if side == "scraped" else signal.SIGUSR2)
                     time.sleep(0.15)  # a scrape or two in flight before the first publish
                     began = time.monotonic()
+                    trainer0, exporter0 = time.process_time(), _cpu_s(exporter.pid)
                     for _ in range(args.per_round):
                         samples[side].append(pub.publish().seconds)
                         time.sleep(args.gap)
+                    cpu[side]["trainer"] += time.process_time() - trainer0
+                    cpu[side]["exporter"] += _cpu_s(exporter.pid) - exporter0
                     if side == "scraped":
                         on_seconds += time.monotonic() - began + 0.15
             scraper.send_signal(signal.SIGUSR2)
@@ -194,18 +207,30 @@ def main() -> int:
         f"publish of {args.size_mb:g} MB to {args.workers} workers, {args.rounds} rounds of "
         f"{args.per_round} per side, interleaved; scraper every {args.every * 1e3:.0f} ms"
     )
-    print("| side | publishes | p50 | p99 | mean | scrapes/s while on |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print(
+        "| side | publishes | p50 | p99 | mean | trainer CPU per publish | exporter CPU "
+        "| scrapes/s while on |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for side, values in samples.items():
         ms = [v * 1e3 for v in values]
         scraped = f"{rate:.1f} ({scrapes['failed']} up 0)" if side == "scraped" else "-"
+        per_publish = cpu[side]["trainer"] / len(ms) * 1e3
         print(
             f"| {side} | {len(ms)} | {_pct(ms, 0.5):.3f} ms | {_pct(ms, 0.99):.3f} ms | "
-            f"{statistics.fmean(ms):.3f} ms | {scraped} |"
+            f"{statistics.fmean(ms):.3f} ms | {per_publish:.3f} ms | "
+            f"{cpu[side]['exporter']:.2f} s | {scraped} |"
+        )
+    extra = cpu["scraped"]["trainer"] - cpu["quiet"]["trainer"]
+    if scrapes["scrapes"]:
+        print(
+            f"the trainer's CPU with the scraper on: {extra * 1e3:+.0f} ms over "
+            f"{scrapes['scrapes']} scrapes ({extra / scrapes['scrapes'] * 1e3:+.3f} ms per scrape)"
         )
     print(f"load average {load_start[0]:.2f} at the start, {load_end[0]:.2f} at the end")
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "samples": samples}))
+        record = {"args": vars(args), "samples": samples, "cpu_s": cpu, "scrapes": scrapes}
+        Path(args.json).write_text(json.dumps(record))
     return 0
 
 
