@@ -340,3 +340,23 @@ def test_histogram_reads_bounds_it_does_not_know_and_ignores_look_alikes():
     counts = {"apply_us_upto_7": 2, "apply_us_upto_x": 5, "apply_us_sum": 14}
     hist = _histogram.read(counts, _histogram.APPLY)
     assert hist.count == 2 and (7e-6, 2) in hist.buckets
+
+
+def test_a_long_manifest_is_encoded_once_and_stays_exact():
+    """`encode` keeps the plain form of a long manifest (every scrape and join sends it):
+    the bytes are those of a fresh encoding, and another manifest is never served."""
+    from zmqsync._protocol import State, TensorSpec, decode, encode, to_plain
+
+    def state(n: int, dtype: str) -> State:
+        specs = tuple(TensorSpec((f"t{i}",), dtype, (1,), (1,), 256 * i, 4) for i in range(n))
+        return State("0123456789abcdef", "m", 1, 0, 0, 1, (0,), 0.5, "", "tcp://127.0.0.1:1",
+                     (), specs, (), {})  # fmt: skip
+
+    import msgpack
+
+    first = state(200, "float32")
+    fresh = msgpack.packb({**to_plain(first), "proto": 1, "type": "state"}, use_bin_type=True)
+    assert encode(first) == fresh and encode(first) == fresh  # built, then reused
+    other = state(200, "int32")
+    assert decode(encode(other)).manifest == other.manifest
+    assert decode(encode(first)).manifest == first.manifest
