@@ -18,6 +18,7 @@ import time
 import urllib.error
 import urllib.request
 
+import msgpack
 import pytest
 import torch
 from prometheus_client import CollectorRegistry, generate_latest, start_http_server
@@ -39,6 +40,7 @@ from tests.test_peer_text import (
 from zmqsync import _histogram
 from zmqsync._buffers import collect_garbage
 from zmqsync._bus_sample import from_publisher
+from zmqsync._protocol import State, TensorSpec, decode, encode, to_plain
 from zmqsync._top_view import Top
 from zmqsync.cli import main
 from zmqsync.metrics import PublisherCollector, StateCollector, SubscriberCollector
@@ -345,14 +347,11 @@ def test_histogram_reads_bounds_it_does_not_know_and_ignores_look_alikes():
 def test_a_long_manifest_is_encoded_once_and_stays_exact():
     """`encode` keeps the plain form of a long manifest (every scrape and join sends it):
     the bytes are those of a fresh encoding, and another manifest is never served."""
-    from zmqsync._protocol import State, TensorSpec, decode, encode, to_plain
 
     def state(n: int, dtype: str) -> State:
         specs = tuple(TensorSpec((f"t{i}",), dtype, (1,), (1,), 256 * i, 4) for i in range(n))
         return State("0123456789abcdef", "m", 1, 0, 0, 1, (0,), 0.5, "", "tcp://127.0.0.1:1",
                      (), specs, (), {})  # fmt: skip
-
-    import msgpack
 
     first = state(200, "float32")
     fresh = msgpack.packb({**to_plain(first), "proto": 1, "type": "state"}, use_bin_type=True)
