@@ -2,9 +2,9 @@
 a STATE answer over the control socket: what the metrics and ``zmqsync top`` show.
 
 A worker's lag is computed here, from what both sources carry: the publisher's latest
-version minus the last version the worker acked (a worker that has acked nothing yet
-lags by the versions since the one it joined at, at most the latest plus one).
-No I/O: the sources are read by their callers.
+version minus the last version the worker acked (-1 before its first ack, so a worker
+that has acked nothing counts every version as missed). No I/O: the callers read the
+sources.
 """
 
 from __future__ import annotations

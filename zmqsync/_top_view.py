@@ -46,7 +46,7 @@ class Top:
     last_at: float = 0.0
     last_hist: Histogram | None = None
     unreachable_since: float | None = None
-    frame: tuple[float, Histogram, float] | None = None  # rate, latencies of the interval
+    frame: tuple[float, Histogram] | None = None  # publishes/s, latencies: the last interval
 
     def update(self, sample: BusSample | None, now: float) -> None:
         """Take a new sample (None: the publisher did not answer)."""
@@ -59,7 +59,7 @@ class Top:
         last = self.last
         if last is not None and last.bus_id == sample.bus_id and now > self.last_at:
             done = sample.counters.get("publishes", 0) - last.counters.get("publishes", 0)
-            self.frame = (max(0, done) / (now - self.last_at), since(hist, self.last_hist), now)
+            self.frame = (max(0, done) / (now - self.last_at), since(hist, self.last_hist))
         else:  # first sample, or a new publisher: no interval yet
             self.frame = None
         self.last, self.last_at, self.last_hist = sample, now, hist
@@ -78,7 +78,7 @@ class Top:
             head.append(f"publisher unreachable for {gone:.0f} s\n", style="bold red")
         head.append(f"version {s.version}  workers {len(s.workers)}  ")
         if self.frame is not None:
-            rate, hist, _ = self.frame
+            rate, hist = self.frame
             head.append(
                 f"publishes {rate:.1f}/s  latency p50 {_ms(quantile(hist, 0.5))} "
                 f"p99 {_ms(quantile(hist, 0.99))}"

@@ -266,7 +266,9 @@ class StateCollector(Collector):
         name: the bus name, to find CURVE keys a ``curve=True`` publisher wrote.
     """
 
-    def __init__(self, address: str, bus: str, *, timeout: float = 1.0, name: str | None = None):
+    def __init__(
+        self, address: str, bus: str, *, timeout: float = 1.0, name: str | None = None
+    ) -> None:
         import zmq
 
         from ._security import client_from_env
@@ -276,6 +278,8 @@ class StateCollector(Collector):
         self._secure = curve.apply if curve is not None else None
         self._ctx: Any = zmq.Context()
         self._closed = threading.Event()
+        # one scrape at a time: close() waits for it before the context goes
+        self._asking = threading.Lock()
         self.scrapes = 0
         self.failures = 0
 
@@ -286,13 +290,18 @@ class StateCollector(Collector):
         from ._protocol import Inspect, State
         from ._sockets import request
 
-        self.scrapes += 1
+        deadline = Deadline(self.timeout)
+        if not self._asking.acquire(timeout=self.timeout):
+            return None  # another scrape took the whole deadline: the bus did not answer
         try:
+            if self._closed.is_set():
+                return None
+            self.scrapes += 1
             reply = request(
                 self._ctx,
                 self.address,
                 Inspect(""),
-                deadline=Deadline(self.timeout),
+                deadline=deadline,
                 secure=self._secure,
                 cancelled=self._closed.is_set,
             )
@@ -300,6 +309,8 @@ class StateCollector(Collector):
             self.failures += 1
             log.info("no state from %s: %s", self.address, exc)
             return None
+        finally:
+            self._asking.release()
         if not isinstance(reply, State):
             self.failures += 1
             log.info("%s answered %s, not STATE", self.address, reply.TYPE)
@@ -314,8 +325,10 @@ class StateCollector(Collector):
         yield from bus_families("", _EMPTY)
 
     def close(self) -> None:
-        """Stop a scrape in progress and release the ZeroMQ context. Idempotent."""
+        """Cut a scrape in progress short, then release the ZeroMQ context. Idempotent."""
         self._closed.set()
+        if self._asking.acquire(timeout=self.timeout + 1.0):  # the scrape saw `_closed`
+            self._asking.release()
         self._ctx.destroy(linger=0)
 
 
