@@ -50,7 +50,7 @@ __all__ = ["PublisherCollector", "StateCollector", "SubscriberCollector"]
 log = logging.getLogger(__name__)
 
 # Publisher counters shown as zmqsync_refused_total{reason}: what each refusal means.
-REFUSALS = {
+_REFUSALS = {
     "rejected": "invalid",  # a request or worker message outside the protocol
     "refused_ids": "id_in_use",  # a HELLO for a worker id a live process holds
     "throttled": "handshake_rate",  # a HELLO beyond handshake_rate
@@ -60,7 +60,7 @@ REFUSALS = {
 }
 
 
-def _histogram(name: str, doc: str, labels: list[str]) -> HistogramMetricFamily:
+def _histogram_family(name: str, doc: str, labels: list[str]) -> HistogramMetricFamily:
     return HistogramMetricFamily(name, doc, labels=labels)
 
 
@@ -72,7 +72,7 @@ def _add_histogram(
     family.add_metric(values, buckets, hist.sum)
 
 
-def bus_families(bus: str, sample: BusSample | None) -> list[Metric]:
+def _bus_families(bus: str, sample: BusSample | None) -> list[Metric]:
     """Every metric of one bus; `sample` None: its publisher did not answer (up 0 only).
 
     Label values a peer chose (bus name, worker id, host) are made `printable`: the
@@ -118,7 +118,7 @@ def bus_families(bus: str, sample: BusSample | None) -> list[Metric]:
         w_lag.add_metric(who, float(w.lag))
         w_silent.add_metric(who, w.silent_s)
         w_info.add_metric([*who, w.mode, w.transport, printable(w.host), str(w.pid)], 1.0)
-    seconds = _histogram(
+    seconds = _histogram_family(
         "zmqsync_publish_seconds",
         "from publish() to the last worker's ack, for publishes whose end was waited for",
         ["bus"],
@@ -145,7 +145,7 @@ def bus_families(bus: str, sample: BusSample | None) -> list[Metric]:
     refused = CounterMetricFamily(
         "zmqsync_refused", "requests, messages and connections refused", labels=["bus", "reason"]
     )
-    for key, reason in REFUSALS.items():
+    for key, reason in _REFUSALS.items():
         refused.add_metric([bus, reason], float(c.get(key, 0)))
     families += [lost, refused]
     if "connections" in c:  # STATE only
@@ -187,18 +187,17 @@ class PublisherCollector(Collector):
         if not publishers:
             raise ValueError("PublisherCollector needs at least one Publisher")
         self._publishers = publishers
-        self._pid = os.getpid()
 
     def collect(self) -> Iterator[Metric]:
         merged: dict[str, Metric] = {}
         for pub in self._publishers:
-            for family in bus_families(pub.name, from_publisher(pub, self._pid)):
+            for family in _bus_families(pub.name, from_publisher(pub, os.getpid())):
                 _merge(merged, family)
         yield from merged.values()
 
     def describe(self) -> Iterator[Metric]:
         """The names this collector exports (the registry checks them for clashes)."""
-        yield from bus_families("", _EMPTY)
+        yield from _bus_families("", _EMPTY)
 
 
 class SubscriberCollector(Collector):
@@ -225,7 +224,7 @@ def _worker_families(subscribers: Iterable[Any]) -> list[Metric]:
     connected = GaugeMetricFamily(
         "zmqsync_connected", "1 while the worker hears its publisher, else 0", labels=labels
     )
-    seconds = _histogram(
+    seconds = _histogram_family(
         "zmqsync_apply_seconds",
         "from taking a version to its being applied, before its ack (versions the native "
         "follower takes are counted in zmqsync_applied_versions_total, not timed)",
@@ -318,11 +317,11 @@ class StateCollector(Collector):
         return from_state(reply)
 
     def collect(self) -> Iterator[Metric]:
-        yield from bus_families(self.bus, self.sample())
+        yield from _bus_families(self.bus, self.sample())
 
     def describe(self) -> Iterator[Metric]:
         """The names this collector exports (the registry checks them for clashes)."""
-        yield from bus_families("", _EMPTY)
+        yield from _bus_families("", _EMPTY)
 
     def close(self) -> None:
         """Cut a scrape in progress short, then release the ZeroMQ context. Idempotent."""
