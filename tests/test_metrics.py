@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -359,3 +360,22 @@ def test_a_long_manifest_is_encoded_once_and_stays_exact():
     other = state(200, "int32")
     assert decode(encode(other)).manifest == other.manifest
     assert decode(encode(first)).manifest == first.manifest
+
+
+@pytest.mark.parametrize("port", ["-1", "65536", "http"])
+def test_a_bad_port_is_a_usage_error(port, name, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["metrics", "--name", name, "--port", port])
+    assert exc.value.code == 2
+    assert "--port" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(60)
+def test_a_port_in_use_is_one_line_and_exit_1(name, capsys):
+    with zmqsync.Publisher({"w": torch.zeros(4)}, name=name), socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        code = main(["metrics", "--name", name, "--port", str(taken.getsockname()[1])])
+    assert code == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("zmqsync metrics: OSError:"), err

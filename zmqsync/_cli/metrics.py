@@ -16,7 +16,7 @@ import sys
 import threading
 
 from .._text import printable
-from .args import add_target, bus_address, positive
+from .args import add_target, bus_address, non_negative_int, positive
 from .buses import ask
 from .sniff import _signals_set
 
@@ -31,11 +31,19 @@ DESCRIPTION = (
 )
 
 
+def _port(text: str) -> int:
+    """An argparse type: a TCP port, 0 to 65535 (usage error, exit 2, otherwise)."""
+    port = non_negative_int(text)
+    if port > 65535:
+        raise argparse.ArgumentTypeError(f"a TCP port is at most 65535, not {text}")
+    return port
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The bus, where to listen, and how long a scrape waits for the publisher."""
     add_target(p)
     p.add_argument(
-        "--port", type=int, required=True, help="TCP port to serve /metrics on (0: any free one)"
+        "--port", type=_port, required=True, help="TCP port to serve /metrics on (0: any free one)"
     )
     p.add_argument(
         "--listen",
