@@ -379,3 +379,21 @@ def test_a_port_in_use_is_one_line_and_exit_1(name, capsys):
     assert code == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("zmqsync metrics: OSError:"), err
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_that_never_acked_has_no_lag_series(name):
+    """A worker between its join and its first ack (here: one that never acks) has no
+    known lag: no zmqsync_worker_lag sample, and zmqsync_worker_version -1."""
+    with _hostile_bus(name) as pub:
+        pub.publish(workers=[])
+        collector = StateCollector(pub.address, name, timeout=2.0)
+        try:
+            registry = CollectorRegistry()
+            registry.register(collector)
+            s = parse(generate_latest(registry).decode())
+        finally:
+            collector.close()
+    assert value(s, "zmqsync_worker_version", bus=name, worker=WORKER) == -1
+    assert not [key for key in s if key[0] == "zmqsync_worker_lag"]
+    assert value(s, "zmqsync_version", bus=name) == 1

@@ -2,9 +2,10 @@
 a STATE answer over the control socket: what the metrics and ``zmqsync top`` show.
 
 A worker's lag is computed here, from what both sources carry: the publisher's latest
-version minus the last version the worker acked (-1 before its first ack, so a worker
-that has acked nothing counts every version as missed). No I/O: the callers read the
-sources.
+version minus the last version the worker acked. A worker that has acked nothing yet
+(version -1: between its WELCOME and its first ACK, or stuck there) has no lag (None):
+neither source says which version it joined at, and latest + 1 would make every join
+look like a worker thousands of versions behind. No I/O: the callers read the sources.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ class WorkerSample:
     transport: str
     version: int  # last acked, -1 before the first ack
     silent_s: float  # seconds since its last message
-    lag: int  # versions behind the publisher's latest
+    lag: int | None  # versions behind the publisher's latest; None before its first ack
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,9 +51,10 @@ class BusSample:
     version_bytes: int | None = None
 
 
-def lag(latest: int, acked: int) -> int:
-    """Versions a worker that acked `acked` is behind `latest` (never negative)."""
-    return max(0, latest - acked)
+def lag(latest: int, acked: int) -> int | None:
+    """Versions a worker that acked `acked` is behind `latest` (never negative); None
+    before its first ack (`acked` -1)."""
+    return None if acked < 0 else max(0, latest - acked)
 
 
 def from_state(state: Any) -> BusSample:

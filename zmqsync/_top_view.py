@@ -102,11 +102,14 @@ class Top:
         for column in ("worker", "version", "lag", "mode", "transport", "host/pid", "heard"):
             justify = "right" if column in ("version", "lag", "heard") else "left"
             table.add_column(column, justify=justify)  # type: ignore[arg-type]
-        for w in sorted(s.workers, key=lambda w: (-w.lag, w.worker_id)):
+        for w in sorted(s.workers, key=lambda w: (-(w.lag or 0), w.worker_id)):
             table.add_row(
                 Text(printable(w.worker_id)),
                 str(w.version),
-                Text(str(w.lag), style="bold red" if w.lag > 1 else ""),
+                Text(
+                    "-" if w.lag is None else str(w.lag),
+                    style="bold red" if (w.lag or 0) > 1 else "",
+                ),
                 w.mode,
                 w.transport,
                 Text(f"{printable(w.host)}/{w.pid}"),

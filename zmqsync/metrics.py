@@ -115,7 +115,8 @@ def _bus_families(bus: str, sample: BusSample | None) -> list[Metric]:
     for w in sample.workers:
         who = [bus, printable(w.worker_id)]
         w_version.add_metric(who, float(w.version))
-        w_lag.add_metric(who, float(w.lag))
+        if w.lag is not None:  # no series before its first ack: its lag is unknown
+            w_lag.add_metric(who, float(w.lag))
         w_silent.add_metric(who, w.silent_s)
         w_info.add_metric([*who, w.mode, w.transport, printable(w.host), str(w.pid)], 1.0)
     seconds = _histogram_family(
