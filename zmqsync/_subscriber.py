@@ -268,10 +268,15 @@ class Subscriber:
         return self._state.version
 
     @property
+    def lag(self) -> int:
+        """Versions written after the one applied (the header names the newest one)."""
+        mine = self._state.version if self._version_bus_id == self._bus_id else -1
+        return max(0, latest[0] - mine) if (latest := self._latest()) else 0
+
+    @property
     def counters(self) -> dict[str, int]:
-        """What this worker counted: ``applied`` (versions applied), ``native`` (how many
-        of them the native follower took), ``rejected``, ``foreign`` and ``gaps`` (the
-        Link's). A snapshot: a new dict on every read."""
+        """A new dict of what this worker counted: ``applied`` (versions applied), ``native``
+        (by the native follower), ``rejected``, ``foreign`` and ``gaps`` (the Link's)."""
         state = self._state
         return {"applied": state.applied, "native": state.native, **self._counts}
 
