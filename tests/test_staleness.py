@@ -177,3 +177,52 @@ def test_a_worker_killed_mid_run_does_not_hang_the_bound(spawn, name):
         assert "victim" not in pub.workers and p.lags.keys() == {"fast"}
         workers["fast"].proc.send_signal(signal.SIGTERM)
         assert workers["fast"].finish() == 0
+
+
+# --- what inspect and sniff show ----------------------------------------------------------
+
+
+def test_inspect_shows_each_workers_lag(name, capsys):
+    import json
+
+    from zmqsync.cli import main
+
+    with (
+        zmqsync.Publisher(WEIGHTS, name=name, slots=4, timeout=30) as pub,
+        zmqsync.Subscriber(name=name, worker_id="behind", apply="manual", timeout=30),
+        zmqsync.Subscriber(name=name, worker_id="current", timeout=30) as current,
+    ):
+        for _ in range(2):
+            pub.publish(max_lag=None)
+        assert current.wait_for_version(2, timeout=10)
+        deadline = time.monotonic() + 10  # the acks of the start reach the publisher
+        while pub.workers["current"].lag and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert {w: i.lag for w, i in pub.workers.items()} == {"behind": 2, "current": 0}
+        assert main(["inspect", "--name", name, "--json"]) == 0
+        lags = {w["worker_id"]: w["lag"] for w in json.loads(capsys.readouterr().out)["workers"]}
+        assert lags == {"behind": 2, "current": 0}
+        assert main(["inspect", "--name", name]) == 0
+        table = capsys.readouterr().out
+        assert "lag" in table and "behind" in table
+
+
+def test_sniff_summary_counts_lag_as_each_version_is_announced():
+    from zmqsync._protocol import Ack, Receive
+    from zmqsync._sniff import Record, Summary
+
+    summary = Summary({"fast", "slow"})
+    bus = "ab" * 8
+
+    def feed(msg, peer=""):
+        return summary.add(Record(0.0, "in" if peer else "out", peer, msg))
+
+    for v in (1, 2, 3):
+        feed(Receive(bus, v, v, 0))
+        feed(Ack(bus, "fast", "s", v), "fast")
+        if v == 1:
+            feed(Ack(bus, "slow", "s", v), "slow")
+    assert summary.lags() == {"fast": 0, "slow": 2}
+    line = feed(Receive(bus, 4, 4, 0))
+    assert line is not None and "slow 3/2" in line  # now 3 behind v4; 2 when v4 went out
+    assert "slow 3/2" in summary.final() and "fast 1/0" in summary.final()
