@@ -420,6 +420,13 @@ class Publisher:
             return self._registry.infos(time.time() - time.monotonic())
 
     @property
+    def max_lag_allowed(self) -> int | None:
+        """The largest ``max_lag`` publish() accepts: ``slots - 1`` (None: any, with
+        ``Live()`` writes, which never wait for a slot). While an alias worker is on the
+        bus a publish applies at most ``slots - 2``: each pins the slot it computes with."""
+        return self._mode.lag_room(self._slot_count, False)
+
+    @property
     def counters(self) -> dict[str, int]:
         with self._shared.lock:
             return dict(self._role.counters)
@@ -503,7 +510,7 @@ class Publisher:
             return None
         if isinstance(max_lag, bool) or not isinstance(max_lag, int) or max_lag < 0:
             raise ValueError(f"max_lag must be an int >= 0 or None, not {max_lag!r}")
-        room = self._mode.lag_room(self._slot_count, False)
+        room = self.max_lag_allowed
         if room is not None and max_lag > room:
             raise ValueError(
                 f"max_lag={max_lag} needs slots >= {max_lag + 1} ({max_lag + 2} with alias "
