@@ -238,7 +238,7 @@ class LiveWrites(Mode):
         return 1  # the trainer's tensors are slot 0
 
     def lag_room(self, slots: int, alias: bool) -> int | None:
-        return None  # slot 0 is rewritten under the seqlock: no slot to wait for
+        return None  # slot 0 is the trainer's tensors, rewritten in place: none to wait for
 
     def start(self, name: str, slots: Slots, stack: contextlib.ExitStack) -> None:
         super().start(name, slots, stack)
