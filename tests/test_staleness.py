@@ -226,3 +226,26 @@ def test_sniff_summary_counts_lag_as_each_version_is_announced():
     line = feed(Receive(bus, 4, 4, 0))
     assert line is not None and "slow 3/2" in line  # now 3 behind v4; 2 when v4 went out
     assert "slow 3/2" in summary.final() and "fast 1/0" in summary.final()
+
+
+# --- the tool that shows it ---------------------------------------------------------------
+
+
+@pytest.mark.timeout(240)
+def test_the_staleness_tool_runs_and_holds_its_bound(tmp_path, capsys):
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "tools" / "staleness.py"
+    spec = importlib.util.spec_from_file_location("staleness_tool", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    out = tmp_path / "staleness.json"
+    assert tool.main(["--bounds", "1", "none", "--steps", "12", "--json", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert table.startswith("| max_lag | trainer steps/s |")
+    runs = {r["max_lag"]: r for r in json.loads(out.read_text())["runs"]}
+    assert set(runs) == {"1", "none"}
+    assert max(runs["1"]["max_lag_seen"].values()) <= 1
+    assert all(len(r["samples"]) == 12 for r in runs.values())

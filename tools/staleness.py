@@ -151,6 +151,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--worker", nargs=3, metavar=("NAME", "ID", "STEP_S"), help=argparse.SUPPRESS)
     p.add_argument("--steps", type=int, default=150, help="publishes per bound (default 150)")
+    p.add_argument(
+        "--bounds",
+        nargs="+",
+        default=[_label(k) for k in BOUNDS],
+        help="max_lag values to run, 'none' for no bound (default: 0 1 2 none)",
+    )
     p.add_argument("--step-ms", type=float, default=5.0, help="training step (ms, default 5)")
     p.add_argument("--json", type=Path, default=ROOT / "docs/bench/staleness.json")
     p.add_argument("--plot", type=Path, default=None, help="directory for staleness.png")
@@ -158,8 +164,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         name, worker_id, step = args.worker
         return worker(name, worker_id, float(step))
-    os.environ.setdefault("ZMQSYNC_RUNTIME_DIR", tempfile.mkdtemp(prefix="zs-stale"))
-    runs = [run(k, args.steps, args.step_ms / 1e3) for k in BOUNDS]
+    bounds = [None if b == "none" else int(b) for b in args.bounds]
+    if None not in bounds:
+        p.error("--bounds needs 'none': the table is relative to no bound")
+    with tempfile.TemporaryDirectory(prefix="zs-stale") as runtime:
+        os.environ.setdefault("ZMQSYNC_RUNTIME_DIR", runtime)
+        runs = [run(k, args.steps, args.step_ms / 1e3) for k in bounds]
     print(table(runs))
     args.json.parent.mkdir(parents=True, exist_ok=True)
     meta = {"workers_rollout_s": WORKERS, "step_ms": args.step_ms, "slots": SLOTS}
