@@ -1,9 +1,9 @@
 """Bounded staleness: ``publish(max_lag=k)`` returns once every live worker applied at
 least ``version - k``; lag is visible on both sides.
 
-The bus tests run real worker processes of different speeds (tests/helpers/
-paced_worker.py: a manual-apply worker that takes the newest version at the start of
-each rollout) and check the bound against the workers' own records: each worker stamps
+The bus tests run real worker processes of different speeds (the rollout workers of
+tools/staleness.py: they take the newest version at the start of each rollout,
+apply="manual") and check the bound against the workers' own records: each worker stamps
 ``time.monotonic()`` when it applies a version, before it acks, and the test stamps the
 moment each publish returned; CLOCK_MONOTONIC is one clock for the whole host.
 """
@@ -21,7 +21,7 @@ import zmqsync
 from zmqsync._protocol import Hello
 from zmqsync._registry import Registry
 
-HELPER = "tests/helpers/paced_worker.py"
+TOOL = "tools/staleness.py"
 WEIGHTS = {"w": torch.zeros(256)}
 
 
@@ -125,7 +125,8 @@ def test_a_worker_stuck_beyond_the_bound_is_named_in_time(name):
 
 def _start(spawn, name: str, pub: zmqsync.Publisher, steps: dict[str, float]) -> dict:
     workers = {
-        w: spawn(HELPER, name, w, "--step", str(step), module="") for w, step in steps.items()
+        w: spawn(TOOL, "--worker", name, w, str(step), "--records", module="")
+        for w, step in steps.items()
     }
     assert pub.wait_for_workers(len(workers), timeout=60)
     for proc in workers.values():

@@ -44,15 +44,30 @@ def _label(k: int | None) -> str:
     return "none" if k is None else str(k)
 
 
-def worker(name: str, worker_id: str, step: float) -> int:
-    """One rollout worker: poll (apply the newest version), roll out for `step`, again."""
+def worker(name: str, worker_id: str, step: float, records: bool) -> int:
+    """One rollout worker: poll (apply the newest version), roll out for `step`, again,
+    until SIGTERM. Prints {"event": "joined", "version"} once started and, with
+    `records`, {"event": "applied", "version", "t"} per version applied, `t` being
+    ``time.monotonic()`` in `on_update`, before the ack (CLOCK_MONOTONIC is one clock
+    for the host: tests/test_staleness.py compares it with when a publish returned)."""
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    with zmqsync.Subscriber(name=name, worker_id=worker_id, apply="manual", timeout=60) as sub:
+
+    def applied(version: int) -> None:
+        print(json.dumps({"event": "applied", "version": version, "t": time.monotonic()}))
+        sys.stdout.flush()
+
+    with zmqsync.Subscriber(
+        name=name,
+        worker_id=worker_id,
+        apply="manual",
+        timeout=60,
+        on_update=applied if records else None,
+    ) as sub:
         print(json.dumps({"event": "joined", "version": sub.version}), flush=True)
         while not stop.is_set():
-            sub.poll()
-            stop.wait(step)
+            sub.poll()  # the safe point: the newest version, if one arrived
+            stop.wait(step)  # the rollout
     return 0
 
 
@@ -150,6 +165,7 @@ def plot(runs: list[dict[str, Any]], out: Path) -> Path:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--worker", nargs=3, metavar=("NAME", "ID", "STEP_S"), help=argparse.SUPPRESS)
+    p.add_argument("--records", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--steps", type=int, default=150, help="publishes per bound (default 150)")
     p.add_argument(
         "--bounds",
@@ -163,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.worker:
         name, worker_id, step = args.worker
-        return worker(name, worker_id, float(step))
+        return worker(name, worker_id, float(step), args.records)
     bounds = [None if b == "none" else int(b) for b in args.bounds]
     if None not in bounds:
         p.error("--bounds needs 'none': the table is relative to no bound")
