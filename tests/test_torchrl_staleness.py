@@ -19,7 +19,7 @@ import pytest
 with warnings.catch_warnings():
     warnings.filterwarnings("ignore", category=DeprecationWarning)
     pytest.importorskip("torchrl", minversion="0.14")
-    from torchrl.collectors import MultiAsyncCollector
+    from torchrl.collectors import MultiAsyncCollector, MultiSyncCollector
     from torchrl.weight_update import SharedMemWeightSyncScheme
     from torchrl.weight_update.weight_sync_schemes import WeightSyncScheme
 
@@ -99,5 +99,35 @@ def test_update_returns_with_every_worker_at_most_max_lag_behind():
                 assert p.version == published and p.max_lag == 1
                 assert len(p.lags) == 2 and max(p.lags.values()) <= 1
             assert min(staleness) >= 0
+        finally:
+            collector.shutdown()
+
+
+def test_manual_workers_of_a_sync_collector_run_at_most_one_version_behind():
+    """Manual apply takes a version at the start of a rollout, which a sync collector's
+    workers begin only when the trainer asks for the next batch; with max_lag=1 the
+    update returns before the workers acked it, so a worker may begin its rollout before
+    the version's RECEIVE reached it, and the next update waits for that worker. The
+    rollout's start waits for a version the header already names, so neither waits
+    forever, and each batch's staleness is at most 1."""
+    policy = make_policy(0)
+    with WeightSyncScheme.from_backend("zmq", apply="manual", max_lag=1, timeout=30) as scheme:
+        collector = MultiSyncCollector(
+            [make_env, make_env],
+            policy,
+            frames_per_batch=40,
+            total_frames=-1,
+            weight_sync_schemes={"policy": scheme},
+            track_policy_version=True,
+        )
+        try:
+            published, batches = 0, iter(collector)
+            for _ in range(8):
+                batch = next(batches)
+                assert published - min(versions(batch)) <= 1
+                published += 1
+                set_version(policy, published)
+                collector.update_policy_weights_()
+                assert max(scheme.last_publish.lags.values()) <= 1
         finally:
             collector.shutdown()

@@ -95,6 +95,10 @@ log = logging.getLogger(__name__)
 # them here would unlink the parent's segment, so they are kept alive, never closed.
 _INHERITED_SENDERS: list[_Sender] = []
 
+# How long a rollout's start waits for a version the publisher wrote but whose RECEIVE has
+# not reached this worker yet (normally well under a millisecond).
+_SAFE_POINT_WAIT_S = 1.0
+
 
 def _check_bus_options(bus: Mapping[str, Any]) -> None:
     """Options for the Publisher are passed through, and checked by the Publisher's own
@@ -748,7 +752,13 @@ class _SafePoint:
         self.previous = previous
 
     def __call__(self) -> None:
-        if self.scheme.subscriber is not None:
+        sub = self.scheme.subscriber
+        if sub is not None and sub.connected and (lag := sub.lag):
+            # Written (the header names it) but maybe not arrived: a worker of a
+            # multi-process collector starts a rollout only when the trainer asks, and
+            # the trainer's update may be waiting, under max_lag, for this very version.
+            sub.wait_for_version(sub.version + lag, timeout=_SAFE_POINT_WAIT_S)
+        elif sub is not None:
             self.scheme.receive()
         if self.previous is not None:
             self.previous()
