@@ -753,13 +753,13 @@ class _SafePoint:
 
     def __call__(self) -> None:
         sub = self.scheme.subscriber
-        if sub is not None and sub.connected and (lag := sub.lag):
-            # Written (the header names it) but maybe not arrived: a worker of a
-            # multi-process collector starts a rollout only when the trainer asks, and
-            # the trainer's update may be waiting, under max_lag, for this very version.
-            sub.wait_for_version(sub.version + lag, timeout=_SAFE_POINT_WAIT_S)
-        elif sub is not None:
+        if sub is not None:
             self.scheme.receive()
+            if sub.connected and (lag := sub.lag):
+                # Written (the header names it) but not arrived yet: a worker of a
+                # multi-process collector starts a rollout only when the trainer asks,
+                # and the trainer's update may be waiting, under max_lag, for this version.
+                sub.wait_for_version(sub.version + lag, timeout=_SAFE_POINT_WAIT_S)
         if self.previous is not None:
             self.previous()
 
