@@ -263,6 +263,12 @@ class ZmqWeightSyncScheme(WeightSyncScheme):  # type: ignore[misc]
         return self._max_lag
 
     @property
+    def sync(self) -> bool:
+        """Whether ``update_policy_weights_()`` waits until every worker applied the
+        version (torchrl's schemes name this ``sync``; here it is ``max_lag == 0``)."""
+        return self._max_lag == 0
+
+    @property
     def subscriber(self) -> Subscriber | None:
         """A receiver's `zmqsync.Subscriber` (``.version``, ``.connected``), else None."""
         return self._subscriber
