@@ -122,6 +122,8 @@ class Subscriber:
             of an ipc:// control socket, else this process's uid. Set it for a tcp:// bus
             whose publisher runs as another uid of a shared group (see ``group=``): a
             segment another user owns could be truncated under the mapping (SIGBUS).
+        flat: copy mode: the model's CPU tensors move into one block laid out as a slot
+            (Parameters stay the same objects): a version is one copy (see `_flat`).
     """
 
     def __init__(
@@ -139,6 +141,7 @@ class Subscriber:
         shm_dir: str | None = None,
         curve: CurveClient | None = None,
         publisher_uid: int | None = None,
+        flat: bool = False,
     ) -> None:
         if mode not in ("copy", "alias"):
             raise ValueError(f'mode must be "copy" or "alias", not {mode!r}')
@@ -149,6 +152,7 @@ class Subscriber:
         self.address = ""
         self.model = model
         self.mode = mode
+        self.flat = flat
         self.apply = apply
         self.worker_id = worker_id or _config.default_worker_id()
         self._device = device
@@ -724,7 +728,7 @@ class Subscriber:
             target = self._target
             if target is None or welcome.bus != self._bus_id:
                 where = {key: view.device for key, view in views[0].items()}
-                target = Target(self.model, layout, self.mode, self._device, where)
+                target = Target(self.model, layout, self.mode, self._device, where, flat=self.flat)
         except BaseException:
             attachment.close()
             self._close_unused(gpus.values())
