@@ -152,3 +152,32 @@ def test_a_block_adopts_tensors_and_finds_those_that_left():
     assert block.moved(now) == [("blocks", "1", "0", "weight")]
     half = {k: t.half() for k, t in flat.items()}
     assert "float32" in (FlatBlock.refusal(half, layout) or "")
+
+
+def test_a_block_is_written_into_a_slot_as_one_copy_under_the_seqlock(bus_dirs):
+    """`Slots.write_block`: the slot holds the block's bytes, gaps included, and the
+    header names the version; the per-tensor write of the same tensors agrees."""
+    from zmqsync._buffers import CpuSegment
+    from zmqsync._slots import Slots
+
+    model = Many(blocks=5)
+    flat = flatten(model, detach=False)
+    layout = Layout.of(flat)
+    block = FlatBlock(layout)
+    block.adopt(flat)
+    _, shm = bus_dirs
+    segment = CpuSegment(str(shm), "flat-slots", slots=2, slot_bytes=layout.slot_bytes)
+    try:
+        slots = Slots(layout, segment)
+        for version, slot in ((1, 0), (2, 1), (3, 0)):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(version)
+            slots.write_block(slot, version, block)
+            assert torch.equal(slots.flat(slot), block.block)
+            assert slots.header.latest() == (version, slot)
+            slots.write(1 - slot, version, flatten(model, detach=False), mirror=False)
+            views = slots.views(1 - slot)
+            assert all(torch.equal(views[k], t) for k, t in flatten(model).items())
+    finally:
+        segment.close()
