@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 import zmqsync
+from tests.helpers import native
 from tests.helpers.models import Mixed, train_step
 from zmqsync._checksum import digest
 from zmqsync._flat import FlatBlock
@@ -78,6 +79,8 @@ def test_a_flat_copy_worker_stays_bit_exact_through_steps_and_partial_publishes(
         assert torch.equal(worker_model.blocks[4][1].bias, kept)
         assert sub.wait_for_version(pub.publish().version, timeout=10)
         assert _same(worker_model, model)
+        if native.REQUIRED:  # copy mode's versions are the native follower's too
+            assert sub.counters["native"] > 0
 
 
 def test_a_copy_worker_without_a_model_gets_one_block(name):

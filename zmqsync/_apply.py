@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping
 from functools import partial
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch.utils.dlpack import from_dlpack
@@ -34,7 +34,7 @@ from ._layout import (
     torch_dtype,
 )
 
-__all__ = ["Switch", "Target"]
+__all__ = ["Switch", "Target", "slot_views"]
 
 log = logging.getLogger(__name__)
 
@@ -137,6 +137,16 @@ class Target:
             plan = (views, CopyPlan.of(self.tensors, views))
             self._copy_plans[id(views)] = plan
         plan[1].run()
+
+    def copier(self, views: list[dict[Key, torch.Tensor]]) -> Callable[[int], bool]:
+        """``copy(slot)``: copy slot `slot` of `views` whole (what a follower calls in
+        copy mode); True once copied."""
+
+        def copy(slot: int) -> bool:
+            self.copy_from(views[slot])
+            return True
+
+        return copy
 
     def _flatten_model(self) -> None:
         """Move the model's tensors into one block (copy mode, ``flat``): values first,
@@ -242,6 +252,22 @@ class Target:
 
     def weights(self) -> Any:
         return to_tensordict(self.tensors)
+
+
+def slot_views(
+    layout: Layout, cpu: SharedSlots, gpus: Mapping[int, SharedSlots], slot: int
+) -> dict[Key, torch.Tensor]:
+    """Every tensor of `slot`: from its CUDA buffer if mapped, else from the CPU segment."""
+    views = layout.views(cpu.slot(slot))
+    for index, gpu in gpus.items():
+        views.update(layout.views(gpu.slot(slot), index))
+    return views
+
+
+class SharedSlots(Protocol):
+    """A mapped buffer's slots (a CPU segment or a CUDA buffer)."""
+
+    def slot(self, index: int) -> torch.Tensor: ...
 
 
 def _slot_copy(

@@ -54,7 +54,7 @@ import torch
 import zmq
 
 from . import _config, _lifecycle
-from ._apply import Target
+from ._apply import Target, slot_views
 from ._buffers import CpuAttachment, CudaAttachment
 from ._buffers import cuda as _cuda
 from ._buffers.header import FIRST_SLOT_WORD, HEADER_BYTES
@@ -470,7 +470,7 @@ class Subscriber:
             notify=_weakly(self, Subscriber._notify),
             waiters=self._waiters,
             follow=_weakly(self, Subscriber._follower)
-            if self.mode == "alias" and self.apply == "background" and self._on_update is None
+            if self.apply == "background" and self._on_update is None
             else None,
         )
 
@@ -568,11 +568,14 @@ class Subscriber:
         with self._apply_lock:
             target, attachment = self._target, self._attachment
             switch = target.switch if target is not None else None
+            copying = self.mode == "copy" and target is not None
             if (
-                switch is None
+                (switch is None and not copying)
+                or target is None
                 or attachment is None
                 or not can_take(
                     switch,
+                    copying=copying,
                     mapped=True,
                     syncs_devices=bool(self._sync_devices),
                     bus_id=self._bus_id,
@@ -586,6 +589,7 @@ class Subscriber:
                 Ack, bus=self._bus_id, worker_id=link.worker_id, session=link.session
             )
             gate = self._waiters.gate
+            copy = target.copier(self._views) if copying else None
             if FOLLOWER is None or gate is None:
                 return ReferenceFollower(
                     events=events,
@@ -599,8 +603,9 @@ class Subscriber:
                     state=self._state,
                     lock=self._lock,
                     opened=self._waiters.wake,
+                    copy=copy,
                 )
-            pieces, ranges = receive_pattern(self._bus_id)
+            pieces, ranges = receive_pattern(self._bus_id, partial=not copying)
             return FOLLOWER(
                 libzmq=libzmq_path(),
                 events=events,
@@ -618,6 +623,7 @@ class Subscriber:
                 lock=self._lock,
                 gate=gate,
                 error=zmq_error,
+                copy=copy,
             )
 
     def _changed(self, bits: bytes) -> frozenset[Key]:
@@ -724,7 +730,7 @@ class Subscriber:
             if forced is None and decision != expected:
                 attachment.close()
                 return decision
-            views = [_slot_views(layout, attachment, gpus, i) for i in range(welcome.slots)]
+            views = [slot_views(layout, attachment, gpus, i) for i in range(welcome.slots)]
             target = self._target
             if target is None or welcome.bus != self._bus_id:
                 where = {key: view.device for key, view in views[0].items()}
@@ -754,16 +760,6 @@ class Subscriber:
                 level, "subscriber %s reads the CPU buffer: %s", self.worker_id, decision.reason
             )
         return None
-
-
-def _slot_views(
-    layout: Layout, cpu: CpuAttachment, gpus: dict[int, CudaAttachment], slot: int
-) -> dict[Key, torch.Tensor]:
-    """Every tensor of `slot`: from its CUDA buffer if mapped, else from the CPU segment."""
-    views = layout.views(cpu.slot(slot))
-    for index, gpu in gpus.items():
-        views.update(layout.views(gpu.slot(slot), index))
-    return views
 
 
 def _synchronize(devices: tuple[torch.device, ...]) -> None:
