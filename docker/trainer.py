@@ -138,8 +138,10 @@ def main(argv: list[str] | None = None) -> int:
         on_timeout="evict",  # a dead worker is dropped, never waited for
         heartbeat=0.5,  # a silent worker is dropped after about 3 s
         shm_dir=shm_dir,
-        tap=True,  # for `zmqsync sniff`
-        curve=True if args.curve else None,
+        security=zmqsync.Security(
+            tap=True,  # for `zmqsync sniff`
+            curve=True if args.curve else None,
+        ),
     )
     rc = 0
     try:

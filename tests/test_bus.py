@@ -245,13 +245,33 @@ def test_tcp_loopback_address(name):
         assert sub.version == 1 and torch.equal(sub.weights["x"], torch.ones(3))
 
 
-def test_publish_under_an_explicit_version(name):
+def test_a_relays_bus_publishes_what_lands_under_the_roots_numbers(name):
+    """The relay's private seam (`Landing`): bytes written into a slot, published under
+    the number the root gave them; a trainer's publish() has no such options."""
+    from zmqsync._write_modes import Landing
+
+    def fill(value: float):
+        return lambda flat: flat.view(torch.float32).fill_(value)
+
+    landing = Landing()
     with (
-        zmqsync.Publisher({"x": torch.zeros(2)}, name=name) as pub,
+        zmqsync.Publisher({"x": torch.zeros(2)}, name=name, writes=landing) as pub,
         zmqsync.Subscriber(name=name) as sub,
     ):
-        assert pub.publish(version=41).version == 41 and sub.version == 41
-        assert pub.publish().version == 42
+        landing.stage(41, fill(4.0))
+        assert pub.publish().version == 41 and sub.version == 41
+        assert torch.equal(sub.weights["x"], torch.full((2,), 4.0))
+        with pytest.raises(zmqsync.ZmqSyncError, match="stage"):
+            pub.publish()  # nothing staged: a relay publishes only what it received
+        landing.stage(41, fill(5.0))
         with pytest.raises(ValueError, match="not greater"):
-            pub.publish(version=42)
-        assert pub.publish(version=100).version == 100 and sub.version == 100
+            pub.publish()
+        slot = landing.reserve()
+        assert slot is not None
+        landing.open(slot).view(torch.float32).fill_(6.0)  # landed long before
+        landing.stage(100, lambda flat: None, slot)
+        assert pub.publish().version == 100 and sub.version == 100
+        assert torch.equal(sub.weights["x"], torch.full((2,), 6.0))
+        with pytest.raises(ValueError, match="received"):
+            landing.stage(101, fill(1.0))
+            pub.publish(weights={"x": torch.ones(2)})

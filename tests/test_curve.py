@@ -144,7 +144,12 @@ def test_curve_worker_acks_every_publish_before_the_liveness_window(
         curve = True
     weights = {"w": torch.zeros(1024)}
     with zmqsync.Publisher(
-        weights, address, name=name, curve=curve, heartbeat=HEARTBEAT_S, on_timeout="raise"
+        weights,
+        address,
+        name=name,
+        security=zmqsync.Security(curve=curve),
+        heartbeat=HEARTBEAT_S,
+        on_timeout="raise",
     ) as pub:
         worker = _worker(spawn, address, name, "cw")
         assert pub.wait_for_workers(1, timeout=60)
@@ -161,8 +166,7 @@ def test_curve_bus_serves_sniff_and_inspect(spawn, name):
         {"w": torch.zeros(1024)},
         address,
         name=name,
-        curve=True,
-        tap=True,
+        security=zmqsync.Security(curve=True, tap=True),
         heartbeat=HEARTBEAT_S,
         on_timeout="raise",
     ) as pub:
@@ -210,7 +214,7 @@ def test_relay_root_reads_a_curve_bus_and_a_relay_serves_one(name, bus_dirs):
                 {"w": torch.zeros(4096)},
                 trainer_address,
                 name=name,
-                curve=True,
+                security=zmqsync.Security(curve=True),
                 heartbeat=HEARTBEAT_S,
                 on_timeout="raise",
             ) as pub,
@@ -291,7 +295,12 @@ def test_a_worker_started_first_finds_the_keys_and_keeps_up_with_new_ones(spawn,
     buses = []
     for generation in range(2):
         with zmqsync.Publisher(
-            weights, address, name=name, curve=True, heartbeat=HEARTBEAT_S, on_timeout="raise"
+            weights,
+            address,
+            name=name,
+            security=zmqsync.Security(curve=True),
+            heartbeat=HEARTBEAT_S,
+            on_timeout="raise",
         ) as pub:
             assert pub.wait_for_workers(1, timeout=60), generation
             _publish_all(pub, 2)

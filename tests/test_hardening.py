@@ -561,7 +561,9 @@ def test_a_silent_sessions_id_may_be_taken_and_the_old_session_is_told(ctx, name
 
 def test_the_tap_shows_no_session_a_peer_could_use(ctx, name):
     # nor the nonce, which proves a worker's process (and so would let a peer take its place)
-    with zmqsync.Publisher({"w": torch.zeros(4)}, name=name, tap=True) as pub:
+    with zmqsync.Publisher(
+        {"w": torch.zeros(4)}, name=name, security=zmqsync.Security(tap=True)
+    ) as pub:
         tap = _events(ctx, pub.address + ".tap")
         end = time.monotonic() + 10
         while not tap.poll(50):  # the tap drops what it sends before a subscription lands

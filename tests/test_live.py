@@ -19,7 +19,7 @@ def _live_worker(spawn, name):
 def test_alias_workers_see_in_place_changes_and_each_publish(spawn, name, bus_dirs):
     weights = {"w": torch.zeros(4096), "n": torch.zeros((), dtype=torch.int64)}
     trainer_w = weights["w"]
-    with zmqsync.Publisher(weights, name=name, live=True, timeout=30) as pub:
+    with zmqsync.Publisher(weights, name=name, writes=zmqsync.Live(), timeout=30) as pub:
         assert weights["w"] is trainer_w, "the trainer keeps its tensor objects"
         workers = [_live_worker(spawn, name) for _ in range(2)]
         assert pub.wait_for_workers(2, timeout=60)
@@ -51,7 +51,7 @@ def test_a_module_keeps_its_parameters_and_optimizer(name):
     model = torch.nn.Linear(8, 4)
     params = list(model.parameters())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with zmqsync.Publisher(model, name=name, live=True) as pub:
+    with zmqsync.Publisher(model, name=name, writes=zmqsync.Live()) as pub:
         assert list(model.parameters()) == params
         with zmqsync.Subscriber(name=name, mode="alias", timeout=10) as sub:
             model(torch.ones(2, 8)).sum().backward()
@@ -62,12 +62,15 @@ def test_a_module_keeps_its_parameters_and_optimizer(name):
     assert model.weight.grad is not None
 
 
-def test_live_refuses_what_it_cannot_share(name):
-    with pytest.raises(ValueError, match="live"):
-        zmqsync.Publisher({"w": torch.zeros(4)}, name=name, live=True, dtype=torch.bfloat16)
-    with zmqsync.Publisher({"w": torch.zeros(4)}, name=name, live=True) as pub:
-        with pytest.raises(ValueError, match="fill"):
-            pub.publish(fill=lambda flat: None)
+def test_what_a_live_bus_cannot_share_cannot_be_spelled(name):
+    """A cast or a background copy of tensors that are the slot itself means nothing:
+    Live() takes no options, and the publisher has no others for it."""
+    with pytest.raises(TypeError):
+        zmqsync.Live(dtype=torch.bfloat16)  # type: ignore[call-arg]
+    with pytest.raises(TypeError):
+        zmqsync.Publisher({"w": torch.zeros(4)}, name=name, live=True)  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match="writes="):
+        zmqsync.Publisher({"w": torch.zeros(4)}, name=name, writes=torch.bfloat16)
 
 
 def test_bench_times_live_publishes_beside_torchrl(bus_dirs, tmp_path):

@@ -261,7 +261,7 @@ def _sniff_while_joining(name: str, *args: str, env: dict[str, str] | None = Non
 
 
 def test_sniff_shows_a_hostile_hello_literally(name):
-    with _hostile_bus(name, tap=True):
+    with _hostile_bus(name, security=zmqsync.Security(tap=True)):
         rc, out, err = _sniff_while_joining(
             name, "--type", "hello", "--type", "welcome", "--count", "2", env={"FORCE_COLOR": "1"}
         )
@@ -275,7 +275,7 @@ def test_sniff_shows_a_hostile_hello_literally(name):
 
 
 def test_sniff_json_is_ascii_and_exact(name):
-    with _hostile_bus(name, tap=True):
+    with _hostile_bus(name, security=zmqsync.Security(tap=True)):
         rc, out, err = _sniff_while_joining(name, "--json", "--type", "hello", "--count", "1")
     assert rc == 0, err[-3000:]
     [line] = out.splitlines()

@@ -438,7 +438,7 @@ def test_local_alias_workers_holding_every_slot_never_stall_the_group(name, bus_
         with zmqsync.Subscriber(local, name=name, mode="alias", apply="manual") as held:
             assert not pub.publish(weights={"w": torch.ones(4096)}).missing
             assert relay.version == 1 and held.version == 0
-            assert relay.publisher.reserve_slot() is None
+            assert relay._local.reserve_slot() is None
             # the bytes go to a staging buffer at once; the relay's own bus then evicts
             # the stuck worker after its 1 s timeout and publishes version 2
             p = pub.publish(weights={"w": torch.full((4096,), 2.0)})
@@ -593,7 +593,7 @@ def test_data_channel_carries_versions_drops_garbage_and_falls_back(name, bus_di
         # that is not a holder sees the seqlock move before any byte lands
         posted = _wait(lambda: relay._posted, 5, "receives posted ahead")
         assert posted.slot is not None and relay.publisher is not None
-        header = relay.publisher._slots.header
+        header = relay.publisher._mode.bound.slots.header
         assert header.read_begin(posted.slot, header.slot_version(posted.slot)) is None
         # hostile frames on the data ROUTER: not msgpack, a pickle, another message type,
         # a report of a session that does not exist

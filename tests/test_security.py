@@ -50,7 +50,9 @@ def test_garbage_on_every_endpoint_is_dropped_and_counted(ctx, name, tmp_path):
     canary = tmp_path / "canary"
     pickled = pickle.dumps(_Canary(str(canary)))
     with (
-        zmqsync.Publisher({"w": torch.zeros(8)}, name=name, tap=True) as pub,
+        zmqsync.Publisher(
+            {"w": torch.zeros(8)}, name=name, security=zmqsync.Security(tap=True)
+        ) as pub,
         zmqsync.Subscriber(name=name, worker_id="good") as sub,
     ):
         foreign = msgpack.packb(
@@ -318,7 +320,9 @@ def test_files_are_private_by_default_and_shared_with_a_group(name, bus_dirs):
         (seg,) = os.listdir(shm)
         assert os.stat(shm / seg).st_mode & 0o777 == 0o600
     with (
-        zmqsync.Publisher({"w": torch.zeros(4)}, name=name, group=100) as pub,
+        zmqsync.Publisher(
+            {"w": torch.zeros(4)}, name=name, security=zmqsync.Security(group=100)
+        ) as pub,
         zmqsync.Subscriber(name=name),
     ):
         sock = pub.address[len("ipc://") :]
@@ -332,7 +336,10 @@ def test_non_loopback_tcp_requires_curve_or_insecure(name):
         zmqsync.Publisher({"w": torch.zeros(4)}, "tcp://0.0.0.0:47311", name=name).start()
     with (
         zmqsync.Publisher(
-            {"w": torch.zeros(4)}, "tcp://0.0.0.0:47311", name=name, insecure=True
+            {"w": torch.zeros(4)},
+            "tcp://0.0.0.0:47311",
+            name=name,
+            security=zmqsync.Security(insecure=True),
         ) as pub,
         zmqsync.Subscriber("tcp://127.0.0.1:47311", name=name) as sub,
     ):
@@ -347,7 +354,9 @@ def test_curve_lets_in_allowed_clients_only(ctx, name):
     curve = zmqsync.CurveServer(server_pub, server_sec, allowed_clients=[client_pub])
     assert server_sec not in repr(curve)
     address = "tcp://0.0.0.0:47313"
-    with zmqsync.Publisher({"w": torch.zeros(4)}, address, name=name, curve=curve) as pub:
+    with zmqsync.Publisher(
+        {"w": torch.zeros(4)}, address, name=name, security=zmqsync.Security(curve=curve)
+    ) as pub:
         good = zmqsync.CurveClient(server_pub, client_pub, client_sec)
         with zmqsync.Subscriber("tcp://127.0.0.1:47313", name=name, curve=good) as sub:
             pub.publish()
@@ -376,7 +385,9 @@ def test_curve_is_one_flag_away_on_one_host(ctx, name, bus_dirs, caplog):
         port = s.getsockname()[1]
     address = f"tcp://127.0.0.1:{port}"
     keys = runtime / f"{name}.curve"
-    with zmqsync.Publisher({"w": torch.zeros(4)}, address, name=name, curve=True) as pub:
+    with zmqsync.Publisher(
+        {"w": torch.zeros(4)}, address, name=name, security=zmqsync.Security(curve=True)
+    ) as pub:
         assert keys.exists() and stat.S_IMODE(keys.stat().st_mode) == 0o600
         # subscribers and the CLI of this name find the keys in the runtime dir
         with zmqsync.Subscriber(address, name=name) as sub:
@@ -411,7 +422,9 @@ def _hello_storm(ctx, address, count):
 def test_hello_storm_is_throttled_and_capped(ctx, name):
     # new ids beyond the handshake budget: refused "busy" (each one's id gets a place in line)
     with zmqsync.Publisher(
-        {"w": torch.zeros(4)}, name=name, max_workers=1000, handshake_rate=100.0
+        {"w": torch.zeros(4)},
+        name=name,
+        security=zmqsync.Security(max_workers=1000, handshake_rate=100.0),
     ) as pub:
         refused = _hello_storm(ctx, pub.address, 2000)
         assert any(r.startswith("busy: too many handshakes") for r in refused)
@@ -419,7 +432,9 @@ def test_hello_storm_is_throttled_and_capped(ctx, name):
         assert pub.counters["throttled"] > 0
     # beyond max_workers: "bus full", which costs no handshake (the budget stays for others)
     with zmqsync.Publisher(
-        {"w": torch.zeros(4)}, name=name, max_workers=20, handshake_rate=100.0
+        {"w": torch.zeros(4)},
+        name=name,
+        security=zmqsync.Security(max_workers=20, handshake_rate=100.0),
     ) as pub:
         refused = _hello_storm(ctx, pub.address, 2000)
         assert any(r.startswith("bus full") for r in refused)
@@ -427,7 +442,9 @@ def test_hello_storm_is_throttled_and_capped(ctx, name):
         assert pub.counters.get("throttled", 0) == 0 and pub.counters["handshakes"] == 20
     # after the storm a real worker can still join: storm members are dropped when silent
     with zmqsync.Publisher(
-        {"w": torch.zeros(4)}, name=name, max_workers=2, handshake_rate=5.0
+        {"w": torch.zeros(4)},
+        name=name,
+        security=zmqsync.Security(max_workers=2, handshake_rate=5.0),
     ) as pub:
         with (
             zmqsync.Subscriber(name=name, worker_id="a"),

@@ -136,7 +136,7 @@ def test_without_tap_sniff_falls_back_to_events(name, capsys):
 def test_inspect_json_matches_the_bus(name, capsys):
     model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2))
     with (
-        zmqsync.Publisher(model, name=name, tap=True) as pub,
+        zmqsync.Publisher(model, name=name, security=zmqsync.Security(tap=True)) as pub,
         zmqsync.Subscriber(name=name, worker_id="insp-a", mode="alias"),
     ):
         pub.publish()

@@ -69,7 +69,7 @@ def test_overlapped_publish_is_bit_exact_and_buffers_changed_in_forward_are_publ
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     expected: dict[int, str] = {}
     handles = []
-    with zmqsync.Publisher(model, name=name, optimizer=opt, timeout=60) as pub:
+    with zmqsync.Publisher(model, name=name, writes=zmqsync.Overlapped(opt), timeout=60) as pub:
         expected[0] = digest(flatten(model))
         workers = [_worker(spawn, name, "alias"), _worker(spawn, name, "copy")]
         _join(pub, workers)
@@ -105,7 +105,9 @@ def test_an_optimizer_step_racing_the_background_copy_never_tears_a_version(spaw
 
     model, opt = trainer()
     waited = 0.0
-    with zmqsync.Publisher(model, name=name, optimizer=opt, slots=3, timeout=60) as pub:
+    with zmqsync.Publisher(
+        model, name=name, writes=zmqsync.Overlapped(opt), slots=3, timeout=60
+    ) as pub:
         workers = [_worker(spawn, name, "alias"), _worker(spawn, name, "copy")]
         _join(pub, workers)
         first = pub.version
@@ -192,7 +194,9 @@ def test_a_copy_worker_copies_only_the_tensors_that_changed(name):
 def test_bf16_slots_reach_bf16_workers_in_both_modes(spawn, name):
     torch.manual_seed(0)
     model = Mixed()
-    with zmqsync.Publisher(model, name=name, dtype=torch.bfloat16, timeout=60) as pub:
+    with zmqsync.Publisher(
+        model, name=name, writes=zmqsync.Copy(dtype=torch.bfloat16), timeout=60
+    ) as pub:
         expected = {0: digest(_cast(flatten(model), torch.bfloat16))}
         workers = [
             _worker(spawn, name, "alias", "mixed-bf16"),
@@ -222,7 +226,7 @@ def test_bf16_slots_hold_half_the_bytes(name, bus_dirs):
     weights = {"w": torch.randn(1024, 256), "steps": torch.zeros(4, dtype=torch.int64)}
     sizes = {}
     for dtype in (torch.float32, torch.bfloat16):  # one bus at a time: one segment
-        with zmqsync.Publisher(weights, name=name, dtype=dtype):
+        with zmqsync.Publisher(weights, name=name, writes=zmqsync.Copy(dtype=dtype)):
             (segment,) = shm.iterdir()
             sizes[dtype] = segment.stat().st_size
     assert sizes[torch.bfloat16] < 0.55 * sizes[torch.float32], sizes
@@ -246,7 +250,7 @@ def test_keys_that_are_not_tensors_of_the_bus_are_refused_and_the_bus_goes_on(na
 def test_close_with_a_version_still_being_written_announces_it_first(name, caplog):
     model = torch.nn.Sequential(*(torch.nn.Linear(1024, 1024) for _ in range(8)))  # 32 MB
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    pub = zmqsync.Publisher(model, name=name, optimizer=opt, timeout=30).start()
+    pub = zmqsync.Publisher(model, name=name, writes=zmqsync.Overlapped(opt), timeout=30).start()
     try:
         handle = pub.publish(wait=False)
     finally:
@@ -284,7 +288,7 @@ def test_alias_readers_never_see_a_torn_version_with_overlapped_publishes(spawn,
         }
     )
     opt = _FillStep(model.parameters())
-    with zmqsync.Publisher(model, name=name, optimizer=opt, timeout=30) as pub:
+    with zmqsync.Publisher(model, name=name, writes=zmqsync.Overlapped(opt), timeout=30) as pub:
         readers = [
             spawn("tests/helpers/torn_worker.py", name, "alias", module="") for _ in range(2)
         ]
@@ -309,7 +313,9 @@ def test_skip_unchanged_publishes_what_the_version_counters_say_moved(name, capl
     misses it (as documented), "verify" finds it, publishes it and says so."""
     trainer = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
     opt = torch.optim.SGD(trainer[0].parameters(), lr=0.1)
-    with zmqsync.Publisher(trainer, name=name, skip_unchanged=True, timeout=30) as pub:
+    with zmqsync.Publisher(
+        trainer, name=name, writes=zmqsync.Copy(skip_unchanged=True), timeout=30
+    ) as pub:
         local = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
         with zmqsync.Subscriber(name=name, model=local, mode="copy", timeout=30) as sub:
             with torch.no_grad():
@@ -325,7 +331,9 @@ def test_skip_unchanged_publishes_what_the_version_counters_say_moved(name, capl
             assert sub.wait_for_version(2, timeout=30)
             assert torch.isnan(local[1].bias).all()
     caplog.clear()
-    with zmqsync.Publisher(trainer, name=name, skip_unchanged="verify", timeout=30) as pub:
+    with zmqsync.Publisher(
+        trainer, name=name, writes=zmqsync.Copy(skip_unchanged="verify"), timeout=30
+    ) as pub:
         local = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
         with zmqsync.Subscriber(name=name, model=local, mode="copy", timeout=30) as sub:
             trainer[1].bias.data.add_(1.0)
@@ -337,7 +345,7 @@ def test_skip_unchanged_publishes_what_the_version_counters_say_moved(name, capl
             assert sub.wait_for_version(2, timeout=30)
             assert digest(flatten(local)) == digest(flatten(trainer))
     with pytest.raises(ValueError, match="skip_unchanged"):
-        zmqsync.Publisher(trainer, name=name, skip_unchanged="sometimes")
+        zmqsync.Publisher(trainer, name=name, writes=zmqsync.Copy(skip_unchanged="sometimes"))
 
 
 @pytest.mark.skipif(
@@ -353,7 +361,7 @@ def test_overlapped_publish_of_a_cuda_model_is_bit_exact(spawn, name):
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     x = torch.randn(64, 1024, device="cuda")
     expected: dict[int, str] = {}
-    with zmqsync.Publisher(model, name=name, optimizer=opt, timeout=60) as pub:
+    with zmqsync.Publisher(model, name=name, writes=zmqsync.Overlapped(opt), timeout=60) as pub:
         expected[0] = digest(flatten(model))
         workers = [_worker(spawn, name, "alias"), _worker(spawn, name, "copy")]
         _join(pub, workers)

@@ -179,13 +179,13 @@ dropped_peers (a counter appears once it is non-zero), and always
 bus was full, or refused at the handshake because the peer connected faster than its
 rate or its CURVE key is not allowed; see docs/security.md).""",
     P.Tap: """\
-The tap is off by default (`Publisher(tap=True)` or `ZMQSYNC_TAP=1` turns it on); WELCOME
-and STATE name its endpoint. Each TAP wraps one frame the publisher sent (`dir` "out") or
-received (`dir` "in"), valid or not, so a sniffer decodes it with the same `decode` and
-sees rejected frames too (truncated to 4096 bytes). Handle bytes in a WELCOME are
-replaced by empty bytes, and every `session` (HELLO, WELCOME, ACK, HEARTBEAT, BYE, STOP)
-and `nonce` (HELLO) by a keyed hash of it, as long as the secret: the same stand-in for
-the same secret, worthless on the bus.
+The tap is off by default (`Publisher(security=Security(tap=True))` or `ZMQSYNC_TAP=1`
+turns it on); WELCOME and STATE name its endpoint. Each TAP wraps one frame the publisher
+sent (`dir` "out") or received (`dir` "in"), valid or not, so a sniffer decodes it with
+the same `decode` and sees rejected frames too (truncated to 4096 bytes). Handle bytes in
+a WELCOME are replaced by empty bytes, and every `session` (HELLO, WELCOME, ACK,
+HEARTBEAT, BYE, STOP) and `nonce` (HELLO) by a keyed hash of it, as long as the secret:
+the same stand-in for the same secret, worthless on the bus.
 The tap socket has a small high-water mark and `XPUB_NODROP`: when a sniffer is slow or
 stopped the publisher's send fails at once and the frame is counted as `tap_dropped`;
 the bus never waits for a sniffer.""",

@@ -430,7 +430,7 @@ def check_overlapped(checks: Checks, width: int) -> None:
 
     name = f"gpucheck-{uuid.uuid4().hex[:6]}"
     expected: dict[int, str] = {}
-    with zmqsync.Publisher(model, name=name, optimizer=opt, timeout=120) as pub:
+    with zmqsync.Publisher(model, name=name, writes=zmqsync.Overlapped(opt), timeout=120) as pub:
         worker = subprocess.Popen(
             [sys.executable, "-c", _DIGEST_WORKER, name],
             stdout=subprocess.PIPE,
@@ -455,8 +455,8 @@ def check_overlapped(checks: Checks, width: int) -> None:
 
     blocked: dict[str, float] = {}
     for way in ("sync", "overlapped"):
-        optimizer = opt if way == "overlapped" else None
-        with zmqsync.Publisher(model, name=f"{name}{way[0]}", optimizer=optimizer) as pub:
+        writes = zmqsync.Overlapped(opt) if way == "overlapped" else zmqsync.Copy()
+        with zmqsync.Publisher(model, name=f"{name}{way[0]}", writes=writes) as pub:
             handles = []
             for _ in range(30):
                 forward_backward()

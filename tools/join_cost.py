@@ -84,7 +84,10 @@ def trainer(name: str, storm: str) -> int:
     _die_with_parent()
     address = f"tcp://127.0.0.1:{_free_port()}" if storm == "curve" else None
     pub = zmqsync.Publisher(
-        _model(), address, name=name, tap=storm == "tap", curve=True if storm == "curve" else None
+        _model(),
+        address,
+        name=name,
+        security=zmqsync.Security(curve=True if storm == "curve" else None, tap=storm == "tap"),
     ).start()
     from zmqsync._cli.buses import inspect_bus  # the endpoints, as `zmqsync inspect` reads them
 

@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         timeout=args.timeout,
         on_timeout=args.on_timeout,
         heartbeat=args.heartbeat,
-        tap=args.tap,
+        security=zmqsync.Security(tap=args.tap),
     )
     with pub:
         print(

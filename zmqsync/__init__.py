@@ -32,8 +32,9 @@ if _typing.TYPE_CHECKING:  # what type checkers and IDEs see: the names, eagerly
     )
     from ._publisher import Publish, Publisher
     from ._registry import WorkerInfo
-    from ._security import CurveClient, CurveServer, curve_keypair
+    from ._security import CurveClient, CurveServer, Security, curve_keypair
     from ._subscriber import Reading, Subscriber
+    from ._writes import Copy, Live, Overlapped
     from .relay import Relay, RelayRoot
 
 __version__ = "0.1.0"
@@ -42,11 +43,14 @@ __all__ = [
     "BufferUnavailable",
     "ClosedError",
     "ConnectTimeout",
+    "Copy",
     "curve_keypair",
     "CurveClient",
     "CurveServer",
     "FdLimitTooLow",
     "LayoutMismatch",
+    "Live",
+    "Overlapped",
     "ProtocolError",
     "Publish",
     "Publisher",
@@ -54,6 +58,7 @@ __all__ = [
     "Reading",
     "Relay",
     "RelayRoot",
+    "Security",
     "SharedMemoryFull",
     "Subscriber",
     "WorkerInfo",
@@ -77,6 +82,10 @@ _WHERE = {
     "CurveClient": "._security",
     "CurveServer": "._security",
     "curve_keypair": "._security",
+    "Security": "._security",
+    "Copy": "._writes",
+    "Live": "._writes",
+    "Overlapped": "._writes",
     "Reading": "._subscriber",
     "Subscriber": "._subscriber",
     "Relay": ".relay",

@@ -23,18 +23,19 @@ checkpoint) may tear that version. Publish after such writes, or without ``optim
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 
 from ._errors import ZmqSyncError
 
-__all__ = ["Pending", "StepGuard", "Writer"]
+__all__ = ["Pending", "SideStreams", "StepGuard", "Writer"]
 
 log = logging.getLogger(__name__)
 
@@ -155,3 +156,37 @@ class StepGuard:
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
+
+
+class SideStreams:
+    """The writer thread's CUDA work goes to one side stream per device (made once), so
+    the copy runs beside the trainer's next forward and backward."""
+
+    def __init__(self) -> None:
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+
+    @staticmethod
+    def events(devices: Iterable[torch.device]) -> list[torch.cuda.Event]:
+        """An event on each device's current stream now: recorded by the trainer, the
+        writer's copy starts after the kernels queued before publish(); recorded by the
+        writer, a step's kernels start after the copy."""
+        events = []
+        for device in devices:
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record(torch.cuda.current_stream(device))
+            events.append(event)
+        return events
+
+    @contextlib.contextmanager
+    def on(self, devices: list[torch.device], after: list[torch.cuda.Event]) -> Iterator[None]:
+        """Run the block's CUDA work on the side streams, after the events `after`."""
+        with contextlib.ExitStack() as stack:
+            for device in devices:
+                stream = self._streams.get(device)
+                if stream is None:
+                    stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+                    self._streams[device] = stream
+                stack.enter_context(torch.cuda.stream(stream))
+            for event in after:
+                torch.cuda.current_stream(event.device).wait_event(event)
+            yield

@@ -10,8 +10,8 @@ publisher's code.
 
 Keys are Z85 text (40 characters), as made by `curve_keypair()`.
 
-CURVE is one flag away on one host: ``Publisher(..., curve=True)`` makes a server key
-pair and one client key pair for the bus, and writes the client's keys to
+CURVE is one flag away on one host: ``Publisher(..., security=Security(curve=True))``
+makes a server key pair and one client key pair for the bus, and writes the client's keys to
 ``<runtime dir>/<name>.curve`` (0600; 0640 with the bus's group). A subscriber, `zmqsync
 inspect` or `sniff` for that name finds the file there and uses it; whoever cannot read
 the runtime dir cannot join. The publisher removes the file when it closes (and one left
@@ -36,6 +36,7 @@ from zmq.utils import z85
 __all__ = [
     "CurveClient",
     "CurveServer",
+    "Security",
     "client_from_env",
     "client_keys_path",
     "curve_keypair",
@@ -205,7 +206,45 @@ def is_loopback(address: str) -> bool:
 def require_security(address: str, curve: CurveServer | None, insecure: bool) -> None:
     if curve is None and not insecure and not is_loopback(address):
         raise ValueError(
-            f"{address} is reachable from other hosts: pass curve=zmqsync.CurveServer(...) "
-            "(see docs/security.md), use a loopback or ipc:// address, or pass insecure=True "
-            "to accept unauthenticated clients knowingly"
+            f"{address} is reachable from other hosts: give it CURVE keys (a Publisher: "
+            "security=zmqsync.Security(curve=True); see docs/security.md), use a loopback "
+            "or ipc:// address, or pass insecure=True to accept unauthenticated clients "
+            "knowingly"
         )
+
+
+@dataclass(frozen=True)
+class Security:
+    """Who may reach a publisher's bus, what they can see, and what they may make it spend.
+
+    The defaults suit one host: ipc:// or loopback, no keys, the runtime dir's 0700
+    deciding who connects. See docs/security.md for what each option defends against.
+
+    Args:
+        curve: True: make keys for this bus and leave the client's in the runtime dir,
+            where subscribers of this name find them; or a `CurveServer` (keys and a
+            client allowlist). Required for a tcp:// address that is not loopback; on
+            loopback tcp without it any local user can join.
+        insecure: allow a non-loopback tcp:// address without CURVE (explicit opt-in).
+        group: a group name or gid that may use the bus (socket files and segments
+            become 0660 with that group), for containers running as different uids.
+        tap: open the tap socket that mirrors every message for `zmqsync sniff`
+            (sessions and nonces hashed); None: on when ZMQSYNC_TAP is "1".
+        max_workers: HELLOs from new worker ids past this many are refused ("bus full").
+        handshake_rate: HELLOs, and new connections to the events and tap sockets, per
+            second *per peer* (a storm is refused and counted; welcomed workers are
+            exempt).
+    """
+
+    curve: CurveServer | bool | None = None
+    insecure: bool = False
+    group: str | int | None = None
+    tap: bool | None = None
+    max_workers: int = 1024
+    handshake_rate: float = 200.0
+
+    def __post_init__(self) -> None:
+        if self.max_workers < 1 or self.handshake_rate <= 0:
+            raise ValueError("max_workers must be >= 1 and handshake_rate > 0")
+        if self.curve is False:
+            object.__setattr__(self, "curve", None)

@@ -25,7 +25,7 @@ import torch
 
 import zmqsync
 from tests.conftest import ROOT
-from zmqsync import _publisher, _subscriber
+from zmqsync import _publisher, _source, _subscriber
 from zmqsync._buffers import CudaAttachment, SharedBuffer
 from zmqsync._buffers import cuda as zcuda
 from zmqsync._buffers.transport import CPU_PUBLISHER, DISABLED, NO_GPU, pid_namespace
@@ -205,7 +205,7 @@ def fake_gpu(monkeypatch):
     """fake_gpu(**buffer options): weights published from now on go to a fake "cuda:0"."""
 
     def install(**options):
-        monkeypatch.setattr(_publisher, "_tensor_device", lambda t: "cuda:0")
+        monkeypatch.setattr(_source, "_tensor_device", lambda t: "cuda:0")
         monkeypatch.setattr(
             _publisher, "_DEVICE_BUFFER", functools.partial(FakeCudaBuffer, **options)
         )
@@ -242,11 +242,14 @@ def assert_holds(tensors, v):
 def test_cuda_bus_describes_both_buffers_and_lays_tensors_in_the_gpu_one(fake_gpu, name):
     fake_gpu()
     with zmqsync.Publisher(weights(0), name=name) as pub:
-        cpu, gpu = pub._slots.describe()
+        cpu, gpu = pub._mode.bound.slots.describe()
         assert (cpu.kind, gpu.kind) == ("cpu", "cuda")
         assert {s.buffer for s in pub._layout.specs} == {1}
         assert gpu.size == 2 * pub._layout.slot_bytes and gpu.header_bytes == 0
-        assert pub._slots.mirrored == [False, False]  # no worker reads the CPU copy: none made
+        assert pub._mode.bound.slots.mirrored == [
+            False,
+            False,
+        ]  # no worker reads the CPU copy: none made
 
 
 def test_cpu_worker_reads_the_cpu_copy_made_only_while_it_is_there(fake_gpu, name):
@@ -254,8 +257,8 @@ def test_cpu_worker_reads_the_cpu_copy_made_only_while_it_is_there(fake_gpu, nam
     with zmqsync.Publisher(weights(0), name=name) as pub:
         pub.publish(weights=weights(1))  # nobody reads the CPU copy: not written
         slot = pub._registry.slot_of(1)
-        assert not pub._slots.mirrored[slot]
-        assert not pub._slots.views(slot)[("w",)].any()
+        assert not pub._mode.bound.slots.mirrored[slot]
+        assert not pub._mode.bound.slots.views(slot)[("w",)].any()
         model = {k: torch.zeros_like(t) for k, t in weights(0).items()}
         with zmqsync.Subscriber(name=name, model=model) as sub:
             assert sub.transport == "cpu" and sub.transport_note == ""
@@ -265,12 +268,12 @@ def test_cpu_worker_reads_the_cpu_copy_made_only_while_it_is_there(fake_gpu, nam
                 assert sub.version == v
                 assert_holds(model, v)
             assert pub.workers[sub.worker_id].transport == "cpu"
-            assert all(pub._slots.mirrored)
+            assert all(pub._mode.bound.slots.mirrored)
         deadline = time.monotonic() + 10
         while pub.workers and time.monotonic() < deadline:  # its BYE is handled
             time.sleep(0.01)
         pub.publish(weights=weights(4))  # it left: the CPU copy is no longer kept
-        assert not pub._slots.mirrored[pub._registry.slot_of(4)]
+        assert not pub._mode.bound.slots.mirrored[pub._registry.slot_of(4)]
         assert pub.counters["handshakes"] == 1
 
 
@@ -288,11 +291,11 @@ def test_gpu_worker_maps_the_cuda_buffer_and_no_cpu_copy_is_made(
         for v in (1, 2, 3):
             pub.publish(weights=weights(v))
             assert_holds(sub._target.tensors, v)
-        gpu_memory = pub._slots._cuda[0]._flat
+        gpu_memory = pub._mode.bound.slots._cuda[0]._flat
         start, end = gpu_memory.data_ptr(), gpu_memory.data_ptr() + gpu_memory.numel()
         inside = start <= sub._target.tensors[("w",)].data_ptr() < end
         assert inside == (mode == "alias")
-        assert not any(pub._slots.mirrored)
+        assert not any(pub._mode.bound.slots.mirrored)
         assert state_of(pub)[sub.worker_id].transport_note == ""
 
 

@@ -62,11 +62,13 @@ def main() -> int:
         timeout=args.timeout,
         on_timeout="raise",
         heartbeat=args.heartbeat,
-        max_workers=args.max_workers,
-        handshake_rate=args.handshake_rate,
-        tap=args.tap,
-        curve=True if args.curve else None,
-        insecure=True,
+        security=zmqsync.Security(
+            curve=True if args.curve else None,
+            insecure=True,
+            tap=args.tap,
+            max_workers=args.max_workers,
+            handshake_rate=args.handshake_rate,
+        ),
     )
     with pub:
         limit = resource.getrlimit(resource.RLIMIT_NOFILE)

@@ -114,6 +114,7 @@ def main(argv: list[str]) -> int:
 
     from .._bench_worker import _die_with_parent, _trim, make_model
     from .._publisher import Publisher
+    from .._writes import Live
 
     _die_with_parent()
     spec = json.loads(argv[0])
@@ -131,7 +132,8 @@ def main(argv: list[str]) -> int:
         try:
             # heartbeat: torchrl's receivers have none to miss; a loaded host can stall an
             # alias worker mapping a big segment for seconds without it being dead
-            with Publisher(trainer, name=name, live=True, timeout=timeout, heartbeat=2.0) as pub:
+            live = Live()
+            with Publisher(trainer, name=name, writes=live, timeout=timeout, heartbeat=2.0) as pub:
                 procs = [
                     ctx.Process(target=_receiver, args=(name, timeout, ready, stop), daemon=True)
                     for _ in range(n)

@@ -272,9 +272,9 @@ def _zmqsync_way(
     import zmqsync
 
     name = f"trainer-{uuid.uuid4().hex[:8]}"
-    optimizer = opt if way == "overlapped" else None
+    writes = zmqsync.Overlapped(opt) if way == "overlapped" else zmqsync.Copy()
     with zmqsync.Publisher(
-        model, name=name, optimizer=optimizer, timeout=120, heartbeat=HEARTBEAT_S
+        model, name=name, writes=writes, timeout=120, heartbeat=HEARTBEAT_S
     ) as pub:
         workers = _spawn_zmqsync_workers(name, n)
         try:
@@ -493,7 +493,13 @@ def _bf16_costs(n: int, rounds: int) -> dict[str, Any]:
         stack.callback(_reap, workers)
         for dtype, name in names.items():
             pubs[dtype] = stack.enter_context(
-                zmqsync.Publisher(model, name=name, dtype=dtype, timeout=120, heartbeat=HEARTBEAT_S)
+                zmqsync.Publisher(
+                    model,
+                    name=name,
+                    writes=zmqsync.Copy(dtype=dtype),
+                    timeout=120,
+                    heartbeat=HEARTBEAT_S,
+                )
             )
             workers += _spawn_zmqsync_workers(name, n)
         for dtype, pub in pubs.items():

@@ -45,25 +45,24 @@ It hooks in where torchrl's ``SharedMemWeightSyncScheme`` does:
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
-import re
-import secrets
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
-import torch
 from torch import nn
 
 from .._config import check_name, default_address, default_worker_id
 from .._config import shm_dir as resolve_shm_dir
-from .._publisher import Publish, Publisher
+from .._publisher import Publish, Publisher, check_options
 from .._subscriber import Subscriber
+from .._writes import Copy, Live
 
 try:
-    from tensordict import TensorDict, TensorDictBase
+    from tensordict import TensorDictBase
     from torchrl.envs.llm.transforms import PolicyVersion
     from torchrl.weight_update.utils import _resolve_model
     from torchrl.weight_update.weight_sync_schemes import WeightSyncScheme
@@ -72,14 +71,41 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         "zmqsync.integrations.torchrl needs torchrl (>= 0.14): pip install 'zmqsync[torchrl]'"
     ) from exc
 
+from ._torchrl_weights import (  # noqa: E402 - after the check that torchrl is there
+    all_on_cpu,
+    check_params_map,
+    find_model,
+    generated_name,
+    materialize,
+    on_cpu,
+    payload,
+    per_worker,
+    private_copy,
+    workers_on_cpu,
+)
+
 __all__ = ["ZmqWeightSyncScheme"]
 
 log = logging.getLogger(__name__)
 
-_EXTRA_STATE = "__extra_state__"  # torchrl's key for module extra state: not a tensor leaf
 # Senders a forked child inherited from its parent. They belong to the parent: closing
 # them here would unlink the parent's segment, so they are kept alive, never closed.
 _INHERITED_SENDERS: list[_Sender] = []
+
+
+def _check_bus_options(bus: Mapping[str, Any]) -> None:
+    """Options for the Publisher are passed through, and checked by the Publisher's own
+    check here, where the scheme is made, not later in a collector's constructor."""
+    parameters = inspect.signature(Publisher).parameters
+    known = set(parameters) - {"weights", "address", "name"}
+    unknown = sorted(set(bus) - known)
+    if unknown:
+        raise TypeError(
+            f"ZmqWeightSyncScheme got unknown option(s) {', '.join(unknown)}; it passes "
+            f"these to zmqsync.Publisher: {', '.join(sorted(known))}"
+        )
+    given = {name: bus.get(name, parameters[name].default) for name in known - {"shm_dir"}}
+    check_options(**given)
 
 
 class ZmqWeightSyncScheme(WeightSyncScheme):  # type: ignore[misc]
@@ -101,11 +127,6 @@ class ZmqWeightSyncScheme(WeightSyncScheme):  # type: ignore[misc]
             version. None: True with apply="background", False with "manual" (a manual
             worker applies at its next rollout, which a sync collector starts only after
             the update returns).
-        slots: copies of the model in the shared buffer (see the zmqsync guide).
-        timeout: deadline (s) of a publish and of a receiver's handshake.
-        on_timeout: "raise" (``PublishTimeout`` naming the missing workers) or "evict".
-        heartbeat: the sender's heartbeat interval (s); a receiver silent for about six
-            beats is dropped.
         attach: the bus is published elsewhere (by a trainer's scheme or a
             `zmqsync.Publisher` named `name`): a collector given this scheme starts no
             bus; its workers join that one, and its ``update_policy_weights_()`` does
@@ -113,8 +134,6 @@ class ZmqWeightSyncScheme(WeightSyncScheme):  # type: ignore[misc]
         worker_id: a receiver's id on the bus; for torchrl's worker ``i`` the prefix of
             ``<worker_id>-w<i>``. None: ``<name>-w<i>`` (``<host>-<pid>-w<i>`` with
             attach=True), and ``<host>-<pid>`` for a collector started on its own.
-        shm_dir: tmpfs directory of the shared buffer (default ``$ZMQSYNC_SHM_DIR`` or
-            /dev/shm); the sender's choice is handed to torchrl's workers.
         strategy: torchrl's weight format for ``apply_weights``; kept for compatibility.
         live: True: the trainer's tensors move into the bus's segment and the workers
             alias them, as torchrl's schemes share a CPU policy (versions are not atomic:
@@ -125,6 +144,11 @@ class ZmqWeightSyncScheme(WeightSyncScheme):  # type: ignore[misc]
         per_worker_weights: each torchrl worker gets weights of its own (one bus per
             worker); set by itself for distinct policy factories or a ``params_map`` of
             distinct TensorDicts. ``send({i: weights_i})`` updates worker ``i``.
+        **bus: options of `zmqsync.Publisher`, passed to it as they are: ``slots``,
+            ``timeout``, ``on_timeout``, ``heartbeat``, ``writes`` (not with a live bus),
+            ``security``, ``shm_dir``. Receivers use ``timeout`` for their handshake and
+            the sender's ``shm_dir``. Their names are checked here, their values by the
+            Publisher when the sender starts.
     """
 
     def __init__(
@@ -135,16 +159,12 @@ class ZmqWeightSyncScheme(WeightSyncScheme):  # type: ignore[misc]
         mode: str | None = None,
         apply: str = "background",
         sync: bool | None = None,
-        slots: int = 2,
-        timeout: float | None = 10.0,
-        on_timeout: str = "raise",
-        heartbeat: float = 0.5,
         attach: bool = False,
         worker_id: str | None = None,
-        shm_dir: str | None = None,
         strategy: str = "tensordict",
         live: bool | None = None,
         per_worker_weights: bool = False,
+        **bus: Any,
     ) -> None:
         self._sender: _Sender | None = None
         self._worker_senders: dict[int, _Sender] = {}  # per-worker weights: bus per worker
@@ -162,10 +182,13 @@ class ZmqWeightSyncScheme(WeightSyncScheme):  # type: ignore[misc]
             raise ValueError(f'mode must be "copy" or "alias", not {mode!r}')
         if apply not in ("background", "manual"):
             raise ValueError(f'apply must be "background" or "manual", not {apply!r}')
-        if on_timeout not in ("raise", "evict"):
-            raise ValueError(f'on_timeout must be "raise" or "evict", not {on_timeout!r}')
-        if not 1 <= slots <= 64:
-            raise ValueError(f"slots must be between 1 and 64, not {slots}")
+        _check_bus_options(bus)
+        if isinstance(bus.get("writes"), Live):
+            if live is False:
+                raise ValueError("writes=Live() is a live bus: not with live=False")
+            live = True
+        elif live and "writes" in bus:
+            raise ValueError("a live bus writes Live(): leave writes= out with live=True")
         if attach and name is None and address is None:
             raise ValueError("attach=True needs the name (or address) of the bus to join")
         if live and (mode == "copy" or apply == "manual"):
@@ -186,13 +209,12 @@ class ZmqWeightSyncScheme(WeightSyncScheme):  # type: ignore[misc]
         self.per_worker_weights = per_worker_weights
         self._apply = apply
         self._sync = apply == "background" if sync is None else bool(sync)
-        self._slots = slots
-        self._timeout = timeout
-        self._on_timeout = on_timeout
-        self._heartbeat = heartbeat
+        self._bus = {k: v for k, v in bus.items() if k != "writes"}
+        self._writes = bus.get("writes", Copy())
+        self._timeout = bus.get("timeout", 10.0)
         self._attach_only = attach
         self._worker_id = worker_id
-        self._shm_dir = shm_dir
+        self._shm_dir = self._bus.pop("shm_dir", None)
 
     # --- what users look at ----------------------------------------------------------
 
@@ -285,7 +307,7 @@ class ZmqWeightSyncScheme(WeightSyncScheme):  # type: ignore[misc]
         if params_map is not None and (model is not None or weights is not None):
             raise ValueError("params_map= gives the weights: no model= or weights= with it")
         source, shared = self._sources(context, model, weights, params_map)
-        self._name = self._name or _generated_name(self.model_id)
+        self._name = self._name or generated_name(self.model_id)
         self._shm_dir = resolve_shm_dir(self._shm_dir)
         if isinstance(source, dict):  # per-worker weights: a bus of its own for each
             self.per_worker_weights = True
@@ -304,19 +326,19 @@ class ZmqWeightSyncScheme(WeightSyncScheme):  # type: ignore[misc]
         the caller put in shared memory)."""
         shared = False
         if params_map is not None:
-            workers = _check_params_map(params_map)
+            workers = check_params_map(params_map)
             if len({id(td) for td in workers.values()}) > 1 or self.per_worker_weights:
-                return {i: _payload(td) for i, td in workers.items()}, False
+                return {i: payload(td) for i, td in workers.items()}, False
             first = next(iter(workers.values()))
-            source, shared = _payload(first), bool(first.is_shared())
+            source, shared = payload(first), bool(first.is_shared())
         elif weights is not None:
-            source = _payload(weights)
+            source = payload(weights)
         elif model is not None:
             source = model
         elif context is None:
             raise ValueError("init_on_sender() needs context=, model=, weights= or params_map=")
         else:
-            found = _find_model(context, self.model_id)
+            found = find_model(context, self.model_id)
             if isinstance(found, dict):  # distinct policy factories
                 return found, False
             if not isinstance(found, nn.Module | TensorDictBase):
@@ -325,7 +347,7 @@ class ZmqWeightSyncScheme(WeightSyncScheme):  # type: ignore[misc]
                     f"{type(found).__name__}, not a module with weights; a policy without "
                     "weights (e.g. RandomPolicy) needs no weight sync scheme"
                 )
-            source, shared = found, _workers_on_cpu(context)
+            source, shared = found, workers_on_cpu(context)
         if not self.per_worker_weights:
             return source, shared
         count = getattr(context, "num_workers", None)
@@ -335,29 +357,26 @@ class ZmqWeightSyncScheme(WeightSyncScheme):  # type: ignore[misc]
                 "to know how many workers there are"
             )
         self._broadcast = source  # send() without per-worker weights publishes it to all
-        return {i: _private_copy(source) for i in range(count)}, False
+        return {i: private_copy(source) for i in range(count)}, False
 
     def _start(self, source: Any, name: str, address: str | None, *, shared: bool) -> _Sender:
         """Start one bus over `source` (live where torchrl shares it, see `live`)."""
-        on_cpu = _all_on_cpu(source)
+        cpu_only = all_on_cpu(source)
         if self._live_arg is None:
-            live = shared and on_cpu and self._mode_arg != "copy" and self._apply == "background"
+            live = shared and cpu_only and self._mode_arg != "copy" and self._apply == "background"
         else:
             live = self._live_arg
-        if live and not on_cpu:
+        if live and not cpu_only:
             raise ValueError("live=True shares CPU tensors: these weights are on a GPU")
         self._live = live
         self._mode = "alias" if live else self._mode_arg or "copy"
         publisher = Publisher(
-            _on_cpu(source),
+            on_cpu(source),
             address,
             name=name,
-            slots=self._slots,
-            timeout=self._timeout,
-            on_timeout=self._on_timeout,
-            heartbeat=self._heartbeat,
+            writes=Live() if live else self._writes,
             shm_dir=self._shm_dir,
-            live=live,
+            **self._bus,
         )
         sender = _Sender(source, publisher)
         # torchrl never shuts a scheme down: its buses close when it is collected
@@ -396,8 +415,8 @@ class ZmqWeightSyncScheme(WeightSyncScheme):  # type: ignore[misc]
         if isinstance(weights, str):
             weights = _resolve_model(self.context, weights)
         if self._worker_senders:
-            self._publish_per_worker(weights, worker_ids, wait=wait)
-        elif _per_worker(weights):
+            self._publishper_worker(weights, worker_ids, wait=wait)
+        elif per_worker(weights):
             if len({id(w) for w in weights.values()}) > 1:
                 raise ValueError(
                     "weights for each worker ({worker_idx: weights}) need a scheme with "
@@ -407,16 +426,16 @@ class ZmqWeightSyncScheme(WeightSyncScheme):  # type: ignore[misc]
         else:
             self._publish(weights, worker_ids, wait=wait)
 
-    def _publish_per_worker(self, weights: Any, worker_ids: Any, *, wait: bool) -> None:
+    def _publishper_worker(self, weights: Any, worker_ids: Any, *, wait: bool) -> None:
         """Publish on each worker's bus: its own weights, or the same to every one."""
-        if _per_worker(weights):
-            plan = {int(i): _payload(w) for i, w in weights.items()}
+        if per_worker(weights):
+            plan = {int(i): payload(w) for i, w in weights.items()}
             if worker_ids is not None:
                 chosen = set(self._indices(worker_ids))
                 plan = {i: w for i, w in plan.items() if i in chosen}
         else:
-            payload = _payload(weights) if weights is not None else self._broadcast
-            plan = dict.fromkeys(self._indices(worker_ids), payload)
+            every = payload(weights) if weights is not None else self._broadcast
+            plan = dict.fromkeys(self._indices(worker_ids), every)
         unknown = sorted(set(plan) - set(self._worker_senders))
         if unknown:
             raise ValueError(f"no torchrl worker {unknown} on this scheme's buses")
@@ -442,7 +461,7 @@ class ZmqWeightSyncScheme(WeightSyncScheme):  # type: ignore[misc]
         if self._sender is None:
             raise RuntimeError("ZmqWeightSyncScheme.send() needs init_on_sender() first")
         publish = self._sender.publish(
-            None if weights is None else _payload(weights),
+            None if weights is None else payload(weights),
             workers=self._targets(worker_ids),
             wait=wait,
         )
@@ -480,7 +499,7 @@ class ZmqWeightSyncScheme(WeightSyncScheme):  # type: ignore[misc]
     ) -> None:
         self.model_id = model_id
         if context is not None:
-            model = _find_model(context, model_id) if model is None else model
+            model = find_model(context, model_id) if model is None else model
             worker_idx = getattr(context, "worker_idx", worker_idx)
             self.context = context
         if model is not None:
@@ -509,7 +528,7 @@ class ZmqWeightSyncScheme(WeightSyncScheme):  # type: ignore[misc]
         self._join(model)
 
     def _join(self, model: Any) -> None:
-        _materialize(model, self._strategy)
+        materialize(model, self._strategy)
         worker_id = self._worker_id
         if self.worker_idx is not None:
             worker_id = self._worker_name(self.worker_idx)
@@ -667,7 +686,7 @@ class _Sender:
         self.pid = os.getpid()
         self.publisher = publisher.start()
         # A model on another device is staged through a CPU copy: re-read it each time.
-        self._staged = None if _all_on_cpu(source) else source
+        self._staged = None if all_on_cpu(source) else source
 
     def publish(self, weights: Any, *, workers: list[str] | None, wait: bool) -> Publish:
         if weights is None:
@@ -693,106 +712,3 @@ class _SafePoint:
             self.scheme.receive()
         if self.previous is not None:
             self.previous()
-
-
-def _generated_name(model_id: str) -> str:
-    return f"torchrl-{re.sub(r'[^A-Za-z0-9_.-]', '_', model_id)[:24]}-{secrets.token_hex(4)}"
-
-
-def _find_model(context: Any, model_id: str) -> Any:
-    """The collector's model, as torchrl's own schemes find it."""
-    get_model: Callable[[str], Any] | None = getattr(context, "get_model", None)
-    try:
-        model = get_model(model_id) if get_model else _resolve_model(context, model_id)
-    except (AttributeError, ValueError):  # no such model (a collector built from factories)
-        model = None
-    if model is None and model_id == "policy":
-        factories = list(getattr(context, "policy_factory", None) or ())
-        if any(f is not factories[0] for f in factories):  # each worker its own weights
-            return {i: f() for i, f in enumerate(factories) if f is not None}
-        model = factories[0]() if factories and factories[0] is not None else None
-    return model
-
-
-def _workers_on_cpu(context: Any) -> bool:
-    """Whether every worker of the collector computes on the CPU (alias needs it)."""
-    devices = getattr(context, "policy_device", None)
-    if devices is None:
-        return True
-    devices = devices if isinstance(devices, list | tuple) else [devices]
-    return all(d is None or torch.device(d).type == "cpu" for d in devices)
-
-
-def _check_params_map(params_map: Any) -> dict[int, TensorDictBase]:
-    """torchrl's ``params_map``: ``{worker_idx: TensorDict}``, as its schemes check it."""
-    if (
-        not isinstance(params_map, Mapping)
-        or not params_map
-        or not all(isinstance(i, int) and not isinstance(i, bool) for i in params_map)
-        or not all(isinstance(td, TensorDictBase) for td in params_map.values())
-    ):
-        raise ValueError("params_map must be a dict[int, TensorDictBase]")
-    return dict(params_map)
-
-
-def _per_worker(weights: Any) -> bool:
-    """Whether `weights` is ``{worker_idx: weights}`` (torchrl's per-worker form)."""
-    return (
-        isinstance(weights, Mapping)
-        and not isinstance(weights, TensorDictBase)
-        and bool(weights)
-        and all(isinstance(k, int) and not isinstance(k, bool) for k in weights)
-    )
-
-
-def _private_copy(source: Any) -> dict[str, torch.Tensor]:
-    """A worker's own weights, to start from: a CPU copy of `source`'s tensors."""
-    return {name: t.detach().to("cpu", copy=True) for name, t in _tensors(source)}
-
-
-def _payload(weights: Any) -> Any:
-    """What Publisher.publish() takes: a module, a TensorDict or a state_dict."""
-    if isinstance(weights, nn.Module):
-        return weights
-    if isinstance(weights, TensorDictBase):
-        return weights.exclude(_EXTRA_STATE) if _EXTRA_STATE in weights.keys() else weights
-    if isinstance(weights, Mapping):
-        if _per_worker(weights):
-            raise ValueError("{worker_idx: weights} where one set of weights was expected")
-        return weights
-    raise TypeError(
-        f"weights must be a module, a TensorDict or a state_dict, not {type(weights).__name__}"
-    )
-
-
-def _tensors(source: Any) -> Iterable[tuple[str, torch.Tensor]]:
-    if isinstance(source, nn.Module):
-        return [*source.named_parameters(), *source.named_buffers()]
-    if isinstance(source, TensorDictBase):
-        return [
-            (".".join(k) if isinstance(k, tuple) else k, v) for k, v in source.items(True, True)
-        ]
-    return list(source.items())
-
-
-def _all_on_cpu(source: Any) -> bool:
-    return all(t.device.type == "cpu" for _, t in _tensors(source))
-
-
-def _on_cpu(source: Any) -> Any:
-    """The source itself when it is on the CPU, else a CPU copy with the same keys."""
-    if _all_on_cpu(source):
-        return source
-    return {name: t.detach().to("cpu", copy=True) for name, t in _tensors(source)}
-
-
-def _materialize(model: Any, strategy: Any) -> None:
-    """Give meta-device parameters real (CPU) storage: torchrl ships workers a stateless
-    policy and expects the scheme to fill it, as SharedMemWeightSyncScheme does."""
-    if not isinstance(model, nn.Module):
-        return
-    weights = TensorDict.from_module(model).data
-    if not any(t.is_meta for t in weights.values(True, True)):
-        return
-    real = weights.apply(lambda t: torch.zeros_like(t, device="cpu") if t.is_meta else t)
-    strategy.apply_weights(model, real, inplace=False)

@@ -41,8 +41,9 @@ from .._errors import ClosedError, ProtocolError, PublishTimeout, ZmqSyncError
 from .._gc import collect_garbage
 from .._protocol import TensorSpec
 from .._publisher import Publish, Publisher
-from .._security import CurveServer
+from .._security import CurveServer, Security
 from .._sockets import NOBLOCK
+from .._write_modes import Landing
 from ._data_channel import DataLink
 from ._host_agent import Holding, Inbox, RelayAgent
 from ._messages import RELAY, RELAY_ID, Commit, Prepare, Report, Send
@@ -82,9 +83,10 @@ class _LocalBus:
     """The relay's publisher on this host: a version's bytes land in a free slot straight
     from the network.
 
-    A plain `Publisher` over the root's manifest; `publish_received` runs its whole
-    publish (free-slot choice, seqlock, RECEIVE, acks) with the bytes written by
-    `fill(slot bytes)` (the publisher's fill seam). If `fill` raises, the slot stays
+    A plain `Publisher` over the root's manifest, writing through a `Landing` (the
+    private seam that lets bytes land in a slot): `publish_received` stages a version
+    and runs the publisher's whole publish (free-slot choice, seqlock, RECEIVE, acks)
+    with the bytes written by `fill(slot bytes)`. If `fill` raises, the slot stays
     marked incomplete and the version is never announced.
     """
 
@@ -93,7 +95,8 @@ class _LocalBus:
     ) -> None:
         # Version 0 holds the first version's bytes (received into `first`): the
         # publisher's weights are views of them, and start() copies them into slot 0.
-        self.publisher = Publisher(views_of(manifest, first), *args, **kwargs)
+        self._landing = Landing()
+        self.publisher = Publisher(views_of(manifest, first), *args, writes=self._landing, **kwargs)
 
     @property
     def address(self) -> str:
@@ -112,11 +115,11 @@ class _LocalBus:
 
     def reserve_slot(self) -> int | None:
         """A slot the next `publish_received(slot=...)` may write, or None if all are held."""
-        return self.publisher.reserve_slot()
+        return self._landing.reserve()
 
     def open_slot(self, slot: int) -> torch.Tensor:
         """`slot` (from `reserve_slot`) as flat bytes, marked as being written first."""
-        return self.publisher.open_slot(slot)
+        return self._landing.open(slot)
 
     def publish_received(
         self,
@@ -127,9 +130,8 @@ class _LocalBus:
     ) -> Publish:
         """Publish `version`, its bytes written by `fill(flat slot)`, into `slot` if given
         (from `reserve_slot`), else into the slot the publisher claims."""
-        return self.publisher.publish(
-            version=version, wait=False, timeout=timeout, fill=fill, slot=slot
-        )
+        self._landing.stage(version, fill, slot)
+        return self.publisher.publish(wait=False, timeout=timeout)
 
 
 @dataclass
@@ -630,8 +632,7 @@ class Relay:
             on_timeout=self._on_timeout,
             heartbeat=self._heartbeat,
             shm_dir=self._shm_dir,
-            tap=self._tap,
-            curve=self._curve,
+            security=Security(curve=self._curve, tap=self._tap),
         )
         try:
             bus.start()  # version 0 of the local bus holds these bytes...

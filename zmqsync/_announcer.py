@@ -1,0 +1,72 @@
+"""Making a written version known: recorded in the registry, then RECEIVE on the events
+socket, sent from the thread that wrote it.
+
+Every write mode ends a version here, the background writer of `Overlapped` included,
+so the order "bytes in place → header says so → registry → RECEIVE" is kept in one place.
+"""
+
+from __future__ import annotations
+
+from ._errors import ClosedError, ZmqSyncError
+from ._fast_frames import template
+from ._layout import Key, Layout
+from ._protocol import Receive
+from ._publisher_agent import IO_LOCK_S, Agent, Shared
+
+__all__ = ["Announcer"]
+
+
+class Announcer:
+    """Records and announces versions for one started publisher."""
+
+    def __init__(self, shared: Shared, agent: Agent, layout: Layout, bus_id: str) -> None:
+        self._shared = shared
+        self._agent = agent
+        self._specs = layout.specs
+        # (seq, version, slot, changed) -> frame
+        self._receive = template(Receive, bus=bus_id)
+        self._bits: dict[frozenset[Key], bytes] = {}  # tensors named -> RECEIVE.changed
+
+    def announce(self, version: int, slot: int, named: frozenset[Key] | None) -> None:
+        """`version` is in `slot` (its header says so): record it, then send RECEIVE.
+        `named`: the tensors it changed, for copy-mode workers (None: all of them)."""
+        self.record(version, slot)
+        self.send(version, slot, named)
+
+    def record(self, version: int, slot: int) -> None:
+        with self._shared.cond:
+            self._shared.role.registry.record(version, slot)
+            self._shared.role.counters["publishes"] += 1
+
+    def send(self, version: int, slot: int, named: frozenset[Key] | None) -> None:
+        """Send RECEIVE from this thread (no hand-off to the agent: see `_publisher`)."""
+        changed = b"" if named is None else self._changed_bits(named)
+        agent, io, role = self._agent, self._shared.io, self._shared.role
+        if not io.acquire(timeout=IO_LOCK_S):
+            raise ZmqSyncError(f"publisher {role.name!r}: its agent thread is stuck; close it")
+        try:
+            if agent.closed:
+                raise ClosedError(f"Publisher {role.name!r} was closed while publishing")
+            agent.send_frame(self._receive(role.next_seq(), version, slot, changed))
+        finally:
+            io.release()
+
+    def needs_mirror(self) -> bool:
+        """Whether a worker reading the CPU copy of CUDA weights is on the bus."""
+        shared = self._shared
+        if not shared.role.cuda:
+            return False
+        with shared.cond:
+            return any(m.transport == "cpu" for m in shared.role.registry.members.values())
+
+    def _changed_bits(self, named: frozenset[Key]) -> bytes:
+        """RECEIVE's bitmap of `named` over the manifest (bit i: entry i), computed once
+        per set of keys (a trainer publishes the same few subsets again and again)."""
+        bits = self._bits.get(named)
+        if bits is None:
+            mask = sum(1 << i for i, spec in enumerate(self._specs) if spec.key in named)
+            bits = mask.to_bytes((len(self._specs) + 7) // 8, "little")
+            if len(self._bits) > 64:
+                self._bits.clear()
+            self._bits[named] = bits
+        return bits

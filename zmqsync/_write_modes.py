@@ -1,0 +1,367 @@
+"""How each way of writing a version (`_writes`) does it, behind one interface.
+
+A publish is the same five steps whatever the mode (`Publisher.publish`): read, claim a
+slot, write, announce, wait. The mode decides the first three and when the fourth
+happens; the wait is `AckWait`'s. One class per mode:
+
+* `CopyWrites`: read and check the weights, claim a free slot, copy them in under the
+  seqlock, announce. With `skip_unchanged`, only the tensors that changed.
+* `OverlappedWrites`: the same, but what the optimizer writes is copied, and the version
+  announced, by a writer thread while the trainer goes on (see `_overlap`).
+* `LiveWrites`: the trainer's tensors are slot 0; a publish announces (and copies only
+  tensors given to it that are not the slot's own).
+* `Landing`: a relay's bytes land in a slot straight from the network; the relay stages
+  each version (number, slot, bytes) and then publishes it. Private to relays.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from ._acks import AckWait
+from ._announcer import Announcer
+from ._deadline import Deadline
+from ._errors import ZmqSyncError
+from ._layout import Key, flatten
+from ._overlap import Pending, SideStreams, StepGuard, Writer
+from ._slots import Slots
+from ._source import Source, cast_to, trainer_tensors
+from ._unchanged import Unchanged
+from ._writes import Copy, Live, Overlapped, Writes
+
+__all__ = ["Bound", "Landing", "Mode", "build"]
+
+Flat = dict[Key, torch.Tensor]
+Named = frozenset[Key] | None  # the tensors a version changes (None: all of them)
+
+
+@dataclasses.dataclass(frozen=True)
+class Bound:
+    """What a mode writes with, once its publisher started."""
+
+    name: str
+    slots: Slots
+    announcer: Announcer
+    acks: AckWait
+    write_lock: threading.Lock  # also taken by the agent to copy a slot for a CPU reader
+    timeout: float | None  # the publisher's default deadline
+
+
+class Mode:
+    """One publisher's way of writing versions (see the module doc)."""
+
+    def __init__(self, source: Source) -> None:
+        self.source = source
+        self.layout = source.layout  # what the slots hold
+        self._bound: Bound | None = None
+
+    @property
+    def bound(self) -> Bound:
+        if self._bound is None:
+            raise ZmqSyncError("the publisher is not started")
+        return self._bound
+
+    def slot_count(self, asked: int) -> int:
+        return asked
+
+    def start(self, name: str, slots: Slots, stack: contextlib.ExitStack) -> None:
+        """Write version 0 into slot 0, before the bus opens (`stack` undoes on close
+        what needs undoing)."""
+        slots.write(0, 0, flatten(self.source.weights), mirror=False)
+
+    def bind(self, bound: Bound, stack: contextlib.ExitStack) -> None:
+        """The bus is open: from now on versions are written with `bound`."""
+        self._bound = bound
+
+    def read(self, weights: Any, named: Named) -> tuple[Flat, Named]:
+        """The tensors a publish writes, checked, and which of them changed (None: all)."""
+        return self.source.read(weights, named), named
+
+    def version(self, latest: int) -> int:
+        return latest + 1
+
+    def claim(self, deadline: Deadline) -> int:
+        return self.bound.acks.claim_slot(deadline)
+
+    def write(
+        self, slot: int, version: int, flat: Flat, named: frozenset[Key] | None
+    ) -> Pending | None:
+        """Write and announce `version`; a `Pending` when that finishes in the background."""
+        raise NotImplementedError
+
+    def settle(self, deadline: Deadline) -> None:
+        """Wait until no version is still being written in the background."""
+
+
+class CopyWrites(Mode):
+    def __init__(
+        self, source: Source, dtype: torch.dtype | None, skip_unchanged: bool | str
+    ) -> None:
+        super().__init__(source)
+        if dtype is not None:
+            self.layout = cast_to(source, dtype)
+        self.cast = dtype is not None
+        self._unchanged: Unchanged | None = None
+        self._verify = skip_unchanged == "verify"
+        self._skip = bool(skip_unchanged)
+
+    def start(self, name: str, slots: Slots, stack: contextlib.ExitStack) -> None:
+        super().start(name, slots, stack)
+        if self._skip:
+            self._unchanged = Unchanged(name, self._verify)
+            self._unchanged.note(flatten(self.source.weights, detach=False), None)
+
+    def read(self, weights: Any, named: Named) -> tuple[Flat, Named]:
+        flat = self.source.read(weights, named)
+        if self._unchanged is not None and named is None:
+            bound = self.bound
+
+            def latest() -> Mapping[Key, torch.Tensor]:
+                return bound.slots.latest_views()
+
+            with bound.write_lock:
+                named = self._unchanged.written_since(flat, latest)
+        return flat, named
+
+    def write(
+        self, slot: int, version: int, flat: Flat, named: frozenset[Key] | None
+    ) -> Pending | None:
+        slots, announcer = self.bound.slots, self.bound.announcer
+        with self.bound.write_lock:  # a worker reading the CPU copy joins before or after
+            mirror = announcer.needs_mirror()
+            if named is None:
+                slots.write(slot, version, flat, mirror=mirror)
+            else:
+                slots.begin(slot)
+                slots.copy(slot, flat, named, mirror=mirror)
+                slots.refresh(slot, slots.stale(slot, named))
+                slots.finish(slot, version, named, mirror=mirror)
+            announcer.record(version, slot)
+        announcer.send(version, slot, named)
+        self._note(flat, named)
+        return None
+
+    def _note(self, flat: Flat, named: frozenset[Key] | None) -> None:
+        if self._unchanged is not None:
+            self._unchanged.note(flat, named)
+
+
+class OverlappedWrites(CopyWrites):
+    def __init__(
+        self,
+        source: Source,
+        optimizers: tuple[torch.optim.Optimizer, ...],
+        dtype: torch.dtype | None,
+        skip_unchanged: bool | str,
+    ) -> None:
+        super().__init__(source, dtype, skip_unchanged)
+        self._optimizers = optimizers
+        self._guard: StepGuard | None = None
+        self._writer: Writer | None = None
+        self._pending: Pending | None = None  # the version copied in the background
+        self._streams = SideStreams()
+
+    def bind(self, bound: Bound, stack: contextlib.ExitStack) -> None:
+        super().bind(bound, stack)
+        # closed before the agent stops: a version still pending goes out first
+        self._guard = StepGuard(self._optimizers, bound.timeout)
+        stack.callback(self._guard.remove)
+        self._writer = Writer(bound.name)
+        stack.callback(self._writer.close)
+
+    def settle(self, deadline: Deadline) -> None:
+        if self._pending is not None:
+            self._pending.wait(deadline.remaining())
+            self._pending = None
+
+    def write(
+        self, slot: int, version: int, flat: Flat, named: frozenset[Key] | None
+    ) -> Pending | None:
+        """Copy now what the optimizer does not write; leave the rest to the writer thread,
+        which then records and announces the version (see `_overlap`)."""
+        bound, guard, writer = self.bound, self._guard, self._writer
+        assert guard is not None and writer is not None
+        slots, announcer, streams = bound.slots, bound.announcer, self._streams
+        every = slots.key_set if named is None else named
+        owned = guard.owned()
+        late = frozenset(k for k in every if id(flat[k]) in owned)
+        with bound.write_lock:
+            mirror = announcer.needs_mirror()
+            slots.begin(slot)
+            slots.copy(slot, flat, every - late, mirror=mirror)
+            if named is not None:
+                slots.refresh(slot, slots.stale(slot, named))
+        # CUDA: the side streams start after what the trainer queued so far (the copies
+        # just made included), and every copy of this version is on them
+        devices = sorted({flat[k].device for k in every if flat[k].is_cuda}, key=str)
+        before = streams.events(devices)
+        on_gpu = bool(late) and all(flat[k].is_cuda for k in late) and not mirror
+
+        def finish(pending: Pending) -> None:  # on the writer thread
+            with bound.write_lock, streams.on(devices, after=before):
+                slots.copy(slot, flat, late, mirror=mirror)
+                if pending.on_gpu:  # a step may go on once its streams wait for these
+                    pending.copied = streams.events(devices)
+                    pending.queued.set()
+                slots.finish(slot, version, named, mirror=mirror)  # syncs the side streams
+                announcer.record(version, slot)
+            announcer.send(version, slot, named)
+
+        pending = writer.submit(finish, on_gpu=on_gpu)
+        guard.pending = self._pending = pending
+        self._note(flat, named)
+        return pending
+
+
+class LiveWrites(Mode):
+    def __init__(self, source: Source) -> None:
+        super().__init__(source)
+        if source.cuda_devices:
+            raise NotImplementedError("Live() shares CPU tensors; these are on a GPU")
+        self._moved: list[tuple[torch.Tensor, int]] = []  # (trainer tensor, its view)
+
+    def slot_count(self, asked: int) -> int:
+        return 1  # the trainer's tensors are slot 0
+
+    def start(self, name: str, slots: Slots, stack: contextlib.ExitStack) -> None:
+        super().start(name, slots, stack)
+        stack.callback(self._move_out)  # undone on close, or if a later step fails
+        self._move_in(slots.views(0))
+
+    def read(self, weights: Any, named: Named) -> tuple[Flat, Named]:
+        if weights is None:  # the slot is the trainer's tensors: nothing to read
+            return {}, named
+        return super().read(weights, named)
+
+    def claim(self, deadline: Deadline) -> int:
+        return 0
+
+    def write(
+        self, slot: int, version: int, flat: Flat, named: frozenset[Key] | None
+    ) -> Pending | None:
+        bound = self.bound
+        with bound.write_lock:  # copy only what was given and is not the slot's own
+            bound.slots.begin(slot)
+            views = bound.slots.views(slot)
+            with torch.no_grad():
+                for key, tensor in flat.items():
+                    if tensor.data_ptr() != views[key].data_ptr():
+                        views[key].copy_(tensor)
+            bound.slots.finish(slot, version, named)
+            bound.announcer.record(version, slot)
+        bound.announcer.send(version, slot, named)
+        return None
+
+    def _move_in(self, views: Mapping[Key, torch.Tensor]) -> None:
+        """Each trainer tensor's storage becomes its view in the slot (which holds its
+        values already); a Parameter stays the same object, so optimizers keep working.
+        `_moved` lists each one as it goes, so that a failure half-way is undone too."""
+        with torch.no_grad():
+            for key, tensor in trainer_tensors(self.source.weights).items():
+                view = views[key]
+                tensor.data = view
+                self._moved.append((tensor, view.data_ptr()))
+
+    def _move_out(self) -> None:
+        """Give the trainer's tensors private copies before the segment goes."""
+        moved, self._moved = self._moved, []
+        with torch.no_grad():
+            for tensor, view_ptr in moved:
+                if tensor.data_ptr() == view_ptr:  # not replaced by the trainer since
+                    tensor.data = tensor.data.clone()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Staged:
+    version: int
+    fill: Callable[[torch.Tensor], None]
+    slot: int | None
+
+
+class Landing(Writes, Mode):
+    """A relay's publisher: each version's bytes are written by the relay (`stage`),
+    often straight from the network into a slot it reserved long before.
+
+    Not for trainers (it is not exported): a relay calls `reserve`, `open` and `stage`,
+    then its publisher's ``publish(wait=False)``; the version keeps the root's number.
+    """
+
+    def __init__(self) -> None:
+        self._staged: _Staged | None = None
+        self._bound = None
+
+    def adopt(self, source: Source) -> Landing:
+        Mode.__init__(self, source)
+        return self
+
+    def reserve(self) -> int | None:
+        """A slot the next staged version may name, or None while every slot is held. It
+        stays free until then: only a publish makes a slot held (workers join at the
+        latest version, and acks only release)."""
+        return self.bound.acks.free_slot()
+
+    def open(self, slot: int) -> torch.Tensor:
+        """`slot` (from `reserve`) as flat bytes, marked as being written already."""
+        return self.bound.slots.open(slot)
+
+    def stage(
+        self, version: int, fill: Callable[[torch.Tensor], None], slot: int | None = None
+    ) -> None:
+        """The next publish writes `version` with `fill(slot bytes)`, into `slot` (from
+        `reserve`) if given, else into the slot the publisher claims."""
+        self._staged = _Staged(version, fill, slot)
+
+    def _take(self) -> _Staged:
+        if self._staged is None:
+            raise ZmqSyncError("a relay's bus publishes only what it received: stage() first")
+        return self._staged
+
+    def read(self, weights: Any, named: Named) -> tuple[Flat, Named]:
+        if weights is not None or named is not None:
+            raise ValueError("a relay's bus publishes the bytes it received: no weights or keys")
+        return {}, None
+
+    def version(self, latest: int) -> int:
+        version = self._take().version
+        if version <= latest:
+            raise ValueError(f"version {version} is not greater than the last ({latest})")
+        return version
+
+    def claim(self, deadline: Deadline) -> int:
+        slot = self._take().slot
+        if slot is None:
+            return super().claim(deadline)
+        if not (0 <= slot < self.bound.slots.count and self.bound.acks.is_free(slot)):
+            raise ZmqSyncError(f"slot {slot} is not free: take one from reserve()")
+        return slot
+
+    def write(
+        self, slot: int, version: int, flat: Flat, named: frozenset[Key] | None
+    ) -> Pending | None:
+        staged, self._staged = self._take(), None
+        bound = self.bound
+        with bound.write_lock:
+            with bound.slots.writing(slot, version):
+                staged.fill(bound.slots.flat(slot))
+            bound.announcer.record(version, slot)
+        bound.announcer.send(version, slot, None)
+        return None
+
+
+def build(writes: Writes, source: Source) -> Mode:
+    """The mode a `Writes` option asks for, over `source`."""
+    if isinstance(writes, Copy):
+        return CopyWrites(source, writes.dtype, writes.skip_unchanged)
+    if isinstance(writes, Overlapped):
+        return OverlappedWrites(source, writes.optimizers, writes.dtype, writes.skip_unchanged)
+    if isinstance(writes, Live):
+        return LiveWrites(source)
+    if isinstance(writes, Landing):
+        return writes.adopt(source)
+    raise TypeError(f"writes= takes Copy(), Overlapped(optimizer) or Live(), not {writes!r}")
