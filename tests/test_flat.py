@@ -8,6 +8,7 @@ block, with real publishers, workers, sockets and shared memory.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import zmqsync
@@ -184,3 +185,105 @@ def test_a_block_is_written_into_a_slot_as_one_copy_under_the_seqlock(bus_dirs):
             assert all(torch.equal(views[k], t) for k, t in flatten(model).items())
     finally:
         segment.close()
+
+
+def _flat_publisher(model, name):
+    return zmqsync.Publisher(model, name=name, writes=zmqsync.Copy(flat=True))
+
+
+def _writes_blocks(pub) -> bool:
+    mode = pub._mode
+    return mode._block is not None
+
+
+def test_a_flat_publisher_stays_bit_exact_through_steps_buffers_and_partial_publishes(name):
+    """Adam steps and BatchNorm's running statistics land in the block; a full publish
+    is one block copy; a partial one keeps the other tensors' last published values."""
+    model = Many()
+    params = list(model.parameters())
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
+    with (
+        _flat_publisher(model, name) as pub,
+        zmqsync.Subscriber(name=name, mode="copy") as copier,
+        zmqsync.Subscriber(name=name, model=Many(), mode="alias") as aliaser,
+    ):
+        assert _writes_blocks(pub)
+        assert list(model.parameters()) == params, "the same Parameter objects"
+        for v in range(1, 6):
+            _step(model, optimizer, seed=v)
+            p = pub.publish()
+            assert copier.wait_for_version(p.version, timeout=10)
+            assert digest(flatten(copier.weights)) == digest(flatten(model)), v
+            assert _same(aliaser.model, model), v
+        assert int(model.norm.num_batches_tracked) == 5
+        kept = model.blocks[7][1].bias.detach().clone()
+        with torch.no_grad():
+            model.blocks[2][0].weight.add_(1.0)
+            model.blocks[7][1].bias.add_(2.0)  # changed, not named: not published
+        p = pub.publish(keys=["blocks.2.0.weight"])
+        assert copier.wait_for_version(p.version, timeout=10)
+        got = flatten(copier.weights)
+        assert torch.equal(got[("blocks", "2", "0", "weight")], model.blocks[2][0].weight.detach())
+        assert torch.equal(got[("blocks", "7", "1", "bias")], kept)
+        p = pub.publish()
+        assert copier.wait_for_version(p.version, timeout=10)
+        assert digest(flatten(copier.weights)) == digest(flatten(model))
+        assert _writes_blocks(pub)
+
+
+def test_a_reallocated_parameter_leaves_the_flat_layout_with_a_warning(name, caplog):
+    model = Many(blocks=4)
+    with (
+        _flat_publisher(model, name) as pub,
+        zmqsync.Subscriber(name=name, mode="copy") as sub,
+    ):
+        assert _writes_blocks(pub)
+        state = {k: v.clone() + 1 for k, v in model.state_dict().items()}
+        model.load_state_dict(state, assign=True)  # new tensors: they leave the block
+        with caplog.at_level("WARNING", logger="zmqsync"):
+            p = pub.publish()
+        assert not _writes_blocks(pub)
+        assert "left the flat layout" in caplog.text and "blocks.0.0.weight" in caplog.text
+        assert sub.wait_for_version(p.version, timeout=10)
+        assert digest(flatten(sub.weights)) == digest(flatten(model))
+        with torch.no_grad():
+            model.blocks[1][0].weight.mul_(-2)
+        p = pub.publish()
+        assert sub.wait_for_version(p.version, timeout=10)
+        assert digest(flatten(sub.weights)) == digest(flatten(model))
+
+
+def test_one_tensor_reassigned_through_data_is_seen_too(name, caplog):
+    model = Many(blocks=4)
+    with _flat_publisher(model, name) as pub, zmqsync.Subscriber(name=name, mode="copy") as sub:
+        weight = model.blocks[3][1].weight
+        weight.data = weight.data.double().float() + 3  # the same Parameter, a new storage
+        with caplog.at_level("WARNING", logger="zmqsync"):
+            p = pub.publish()
+        assert "blocks.3.1.weight" in caplog.text and not _writes_blocks(pub)
+        assert sub.wait_for_version(p.version, timeout=10)
+        assert digest(flatten(sub.weights)) == digest(flatten(model))
+
+
+def test_weights_the_block_cannot_take_publish_tensor_by_tensor(name, caplog):
+    model = Many(blocks=2)
+    weight = model.blocks[0][0].weight
+    weight.data = weight.data.t().contiguous().t()
+    with caplog.at_level("WARNING", logger="zmqsync"):
+        pub = _flat_publisher(model, name)
+        pub.start()
+    try:
+        assert "no flat layout" in caplog.text and not _writes_blocks(pub)
+        with zmqsync.Subscriber(name=name, mode="copy") as sub:
+            with torch.no_grad():
+                weight.add_(1)
+            p = pub.publish()
+            assert sub.wait_for_version(p.version, timeout=10)
+            assert digest(flatten(sub.weights)) == digest(flatten(model))
+    finally:
+        pub.close()
+
+
+def test_flat_takes_no_dtype():
+    with pytest.raises(ValueError, match="no dtype"):
+        zmqsync.Copy(flat=True, dtype=torch.bfloat16)

@@ -50,7 +50,11 @@ def main() -> int:
             name = f"bf16pub-{uuid.uuid4().hex[:8]}"
             _copy.NATIVE_CAST = None if way == "bf16 torch" else native  # read at start()
             pub = zmqsync.Publisher(
-                model, name=name, dtype=dtype, timeout=120, heartbeat=HEARTBEAT_S
+                model,
+                name=name,
+                writes=zmqsync.Copy(dtype=dtype),
+                timeout=120,
+                heartbeat=HEARTBEAT_S,
             )
             pubs[way] = stack.enter_context(pub)
             workers += _spawn_zmqsync_workers(name, args.workers)

@@ -154,6 +154,7 @@ class Run:
         """Publishes interleaved with the raw, memcpy and (copy mode) N+1-copies floors."""
         from .._bench_worker import make_model
         from .._publisher import Publisher
+        from .._writes import Copy
 
         cfg, pool, n, timeout = self.cfg, self.pool, row.n, self.cfg.timeout
         s = padded_bytes(size)
@@ -184,7 +185,13 @@ class Run:
             fan.connected(n, timeout)
         name = self.name()
         pub = self.publisher = Publisher(
-            trainer, self.address(name), name=name, slots=SLOTS, timeout=timeout, shm_dir=self.shm
+            trainer,
+            self.address(name),
+            name=name,
+            slots=SLOTS,
+            timeout=timeout,
+            shm_dir=self.shm,
+            writes=Copy(flat=size.kind in FLAT_KINDS),
         )
         pub.start()
         row.segment_bytes = self.segment_bytes()
