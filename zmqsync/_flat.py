@@ -92,7 +92,12 @@ class FlatBlock:
     def holds(self, tensors: Mapping[Key, torch.Tensor]) -> bool:
         """Whether `tensors` (every key, in layout order) are still the block's views:
         one address per tensor, the check of a publish."""
-        return list(map(_DATA_PTR, tensors.values())) == self._addresses and self.in_place()
+        return self.at(list(map(_DATA_PTR, tensors.values())))
+
+    def at(self, addresses: list[int]) -> bool:
+        """Whether tensors at `addresses` (every key, in layout order) are the block's
+        views, and the block is in place."""
+        return addresses == self._addresses and self.in_place()
 
     def moved(self, tensors: Mapping[Key, torch.Tensor]) -> list[Key]:
         """The keys of `tensors` that are not at their place in the block."""

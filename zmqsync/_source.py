@@ -60,6 +60,12 @@ class Source:
         self._key_of: dict[str | Key, Key] = {spec.key: spec.key for spec in self.layout.specs}
         self._key_of.update({spec.name: spec.key for spec in self.layout.specs})
 
+    def addresses(self) -> list[int] | None:
+        """The data pointers of the module's tensors in layout order, read without a
+        dict (`ModuleReader.addresses`); None for other weights, or when they must be
+        read again."""
+        return self._reader.addresses() if self._reader is not None else None
+
     def reread(self, weights: Any = None) -> dict[Key, torch.Tensor]:
         """The tensors to publish, unchecked: `weights`, or the source re-read."""
         if weights is None and self._reader is not None:

@@ -150,6 +150,9 @@ class CopyWrites(Mode):
         self._whole = None
         block = self._block
         if block is not None and weights is None and named is None:
+            if self._unchanged is None and block.at(self.source.addresses() or []):
+                self._whole = {}  # the block is the version: nothing else is read
+                return self._whole, None
             flat = self.source.reread()
             if block.holds(flat):  # every tensor where adopt put it: the block is the version
                 self._whole = flat
