@@ -39,7 +39,7 @@ SIZES: dict[str, Size] = {
         Size("64M", "mlp", 64 * MiB, "64 MB", 30, 2),
         Size("512M", "mlp", 512 * MiB, "512 MB", 10, 1),
         Size("1G", "mlp", 1 * GiB, "1 GB", 6, 1),
-        Size("llm", "llm", 1 * GiB, "LLM 1 GB bf16", 6, 1),
+        Size("llm", "llm", 1 * GiB, "LLM 1 GB bf16", 6, 3),  # first-touch: 3 warm-ups
     )
 }
 MODES = ("copy", "alias")
