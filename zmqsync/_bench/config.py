@@ -45,7 +45,7 @@ SIZES: dict[str, Size] = {
 MODES = ("copy", "alias")
 # Models published with the flat layout: the trainer's tensors and a copy-mode worker's
 # model each in one block laid out as a slot (many tensors: a version is one copy).
-FLAT_KINDS = ("many",)
+FLAT_KINDS = ("many", "llm")
 SLOTS = 2  # the publisher's slots in every phase: the segment holds this many models
 
 
