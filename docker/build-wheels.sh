@@ -63,7 +63,7 @@ for v in 17 24 26 27 28 31 34 35 36; do
 done
 "$PYTHON" -m pip download -q -d "$here/wheelhouse" -c "$root/constraints.txt" \
     --only-binary=:all: --python-version "$PY_VERSION" --implementation cp --abi "$abi" \
-    "${platforms[@]}" "$wheel" 2>&1 | grep -v "is ignored: it is neither" >&2 || true
+    "${platforms[@]}" "$wheel[metrics]" 2>&1 | grep -v "is ignored: it is neither" >&2 || true
 rm -f "$here"/wheelhouse/zmqsync-*.whl
 if ! ls "$here"/wheelhouse/torch-*.whl >/dev/null 2>&1; then
     echo "build-wheels: pip download failed (no torch wheel in $here/wheelhouse)" >&2

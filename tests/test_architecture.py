@@ -76,6 +76,7 @@ CORE = (
     "zmqsync._flat",
     "zmqsync._follow",
     "zmqsync._handshake_queue",
+    "zmqsync._histogram",
     "zmqsync._layout",
     "zmqsync._lifecycle",
     "zmqsync._link",
@@ -114,6 +115,7 @@ RULES = {
             "zmqsync._admission",
             "zmqsync._handshake_queue",
             "zmqsync._worker_state",
+            "zmqsync._histogram",
         ),
         (*[m for m in IO if m != "os"], "torch"),
     ),
@@ -129,13 +131,23 @@ RULES = {
     "the roles never import the command line, the sniffer, the demo or the benchmarks": (
         CORE,
         ("zmqsync.cli", "zmqsync._cli", "zmqsync._inspect_view", "zmqsync._sniff",
-         "zmqsync._bench", "zmqsync._bench_worker", "zmqsync._demo", "zmqsync._worker"),
+         "zmqsync._bench", "zmqsync._bench_worker", "zmqsync._demo", "zmqsync._worker",
+         "zmqsync.metrics", "zmqsync._bus_sample", "zmqsync._top_view"),
     ),
     "the core never imports relays, integrations, or what only the CLI and extras use": (
         CORE,
-        ("zmqsync.relay", "zmqsync.integrations", "rich", "matplotlib", "torchrl"),
+        ("zmqsync.relay", "zmqsync.integrations", "rich", "matplotlib", "torchrl",
+         "prometheus_client"),
     ),
 }  # fmt: skip
+
+# Imports that only the named modules may make (an extra's library, and what wraps it):
+# prometheus_client is the metrics extra, imported where metrics are made and nowhere
+# else, so `import zmqsync` and every other command work without it.
+ONLY_IMPORTED_BY = {
+    "prometheus_client": ("zmqsync.metrics", "zmqsync._cli.metrics"),
+    "zmqsync.metrics": ("zmqsync._cli.metrics",),
+}
 
 
 def test_every_module_named_in_the_rules_exists():
@@ -148,6 +160,14 @@ def test_every_module_named_in_the_rules_exists():
 def test_import_rule(rule):
     modules, forbidden = RULES[rule]
     assert _violations(_matching(modules), forbidden) == [], rule
+
+
+@pytest.mark.parametrize("imported", list(ONLY_IMPORTED_BY))
+def test_imported_only_where_allowed(imported):
+    others = [m for m in MODULES if m not in ONLY_IMPORTED_BY[imported] and m != imported]
+    assert _violations(sorted(others), (imported,)) == [], f"only {ONLY_IMPORTED_BY[imported]}"
+    for module in ONLY_IMPORTED_BY[imported]:  # the allowed ones still exist and do
+        assert _violations([module], (imported,)), f"{module} no longer imports {imported}"
 
 
 def test_the_rules_catch_what_they_forbid():

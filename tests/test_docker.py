@@ -40,6 +40,7 @@ COMPOSE = DOCKER_DIR / "docker-compose.yml"
 TMPFS = DOCKER_DIR / "docker-compose.tmpfs.yml"
 GPU = DOCKER_DIR / "docker-compose.gpu.yml"
 CURVE = DOCKER_DIR / "docker-compose.curve.yml"
+METRICS = DOCKER_DIR / "docker-compose.metrics.yml"
 BASE_IMAGE = os.environ.get("ZMQSYNC_DOCKER_BASE_IMAGE", "zmqsync-base:bookworm")
 IMAGE = "zmqsync:test"
 WORKERS = ("worker-1", "worker-2", "worker-3")
@@ -657,6 +658,68 @@ def test_compose_curve_variant(docker: Docker) -> None:
     project.assert_gone(containers)
 
 
+# run inside the exporter's container: the scrape as Prometheus would make it
+_SCRAPE = (
+    "import urllib.request; "
+    "print(urllib.request.urlopen('http://127.0.0.1:9108/metrics', timeout=10).read().decode())"
+)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_compose_metrics_variant(docker: Docker) -> None:
+    """`zmqsync metrics` beside the unmodified trainer, in its network namespace: the
+    scrape (parsed with prometheus-client's parser) shows the trainer's versions and its
+    three workers; once the trainer has exited, zmqsync_up 0."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    project = Project(docker, [COMPOSE, METRICS], ZMQSYNC_UPDATES="30", ZMQSYNC_INTERVAL="0.3")
+    containers: list[str] = []
+
+    def scrape() -> dict[tuple[str, tuple[tuple[str, str], ...]], float] | None:
+        exporter = project.container("exporter")
+        out = run([docker.cli, "exec", exporter, "python", "-c", _SCRAPE], timeout=60, check=False)
+        if out.returncode != 0:
+            return None
+        return {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(out.stdout)
+            for s in family.samples
+        }
+
+    def up(value: float) -> Callable[[], Any]:
+        def check() -> Any:
+            samples = scrape()
+            if samples and samples.get(("zmqsync_up", (("bus", "policy"),))) == value:
+                return samples
+            return None
+
+        return check
+
+    try:
+        project.compose("up", "-d", "--no-build", timeout=240)
+        containers = [project.container(s) for s in ("trainer", *WORKERS, "sniffer", "exporter")]
+        wait_until(project.event("joined"), 180, "3 workers to join")
+        wait_until(project.event("published", version=3), 120, "version 3")
+        samples = wait_until(up(1.0), 120, "the exporter to report the bus")
+        version = samples[("zmqsync_version", (("bus", "policy"),))]
+        assert version >= 3
+        assert samples[("zmqsync_workers", (("bus", "policy"),))] == 3
+        for w in WORKERS:
+            acked = samples[("zmqsync_worker_version", (("bus", "policy"), ("worker", w)))]
+            assert version - 2 <= acked <= version, (w, acked, version)
+        assert samples[("zmqsync_publishes_total", (("bus", "policy"),))] == version
+        done = wait_until(project.event("done"), 300, "the trainer to finish", poll=1.0)
+        assert done["rc"] == 0
+        wait_until(up(0.0), 120, "zmqsync_up 0 once the trainer is gone")
+    except BaseException:
+        print(project.logs_tail())
+        raise
+    finally:
+        project.down()
+    project.assert_gone(containers)
+
+
 @pytest.mark.slow  # its fixture may install Docker and build the images
 @pytest.mark.timeout(300)
 def test_compose_files_are_valid(docker: Docker) -> None:
@@ -666,6 +729,7 @@ def test_compose_files_are_valid(docker: Docker) -> None:
         ([COMPOSE, TMPFS], ["ipc: private", "/segments", "type: tmpfs"]),
         ([COMPOSE, GPU], ["pid: service:trainer", "capabilities", "driver: nvidia"]),
         ([COMPOSE, CURVE], ["--curve", "ZMQSYNC_CURVE_CLIENT: /run/zmqsync/policy.curve"]),
+        ([COMPOSE, METRICS], ["zmqsync metrics tcp://127.0.0.1:5555 --port 9108"]),
     ):
         out = Project(docker, files).compose("config", timeout=60)
         for text in expected:

@@ -69,6 +69,11 @@ class AckWait:
                 self.expired(version, acked, missing, "did not ack")
             return tuple(self._registry.acked(version, targets))
 
+    def took(self, seconds: float) -> None:
+        """A publish ended (every target acked, or the late ones were evicted) `seconds`
+        after publish() was called: count it in the publish histogram (metrics)."""
+        self._shared.role.took(seconds)
+
     # --- slots -----------------------------------------------------------------------
 
     def free_slot(self) -> int | None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from ._histogram import PUBLISH, quantile, read
 from ._text import printable
 
 __all__ = ["print_relays", "print_state"]
@@ -127,5 +128,15 @@ def print_state(state: Any, warning: str | None = None) -> None:
             f"{w.last_seen:.2f} s ago",
         )
     console.print(workers)
-    counters = ", ".join(f"{printable(k)}={v}" for k, v in sorted(state.counters.items()))
+    shown = {k: v for k, v in state.counters.items() if not k.startswith(PUBLISH.name + "_us_")}
+    counters = ", ".join(f"{printable(k)}={v}" for k, v in sorted(shown.items()))
     console.print(Text(f"counters: {counters or '-'}"))
+    timed = read(state.counters, PUBLISH)  # the publish histogram's counters, in one line
+    if timed.count:
+        p50, p99 = quantile(timed, 0.5) or 0.0, quantile(timed, 0.99) or 0.0
+        console.print(
+            Text(
+                f"publish to the last ack: p50 {p50 * 1e3:.2f} ms, p99 {p99 * 1e3:.2f} ms over "
+                f"{timed.count} publishes (estimated from histogram buckets)"
+            )
+        )

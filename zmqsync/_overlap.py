@@ -18,7 +18,7 @@ optimizer known, most of it moves off the training thread:
 
 What this cannot see: a parameter written outside ``optimizer.step()`` between a
 publish and the end of its copy (``p.data.copy_(...)``, an EMA update, loading a
-checkpoint) may tear that version. Publish after such writes, or without ``optimizer=``.
+checkpoint) may tear that version. Publish after such writes, or write with ``Copy()``.
 """
 
 from __future__ import annotations

@@ -163,8 +163,8 @@ class Publish:
             self._pending.wait(deadline.remaining())
         acked = acks.wait(self.version, self._meant, deadline)
         if self._finished is None:
-            self._finished = time.perf_counter()
-            self._acked = acked
+            self._finished, self._acked = time.perf_counter(), acked
+            acks.took(self._finished - self._started)
         return self
 
     def __repr__(self) -> str:

@@ -40,6 +40,7 @@ from ._buffers.transport import registered
 from ._config import FIRST_WORD_S, LOST_AFTER_BEATS
 from ._errors import ProtocolError
 from ._handshake_queue import HandshakeQueue
+from ._histogram import PUBLISH, record
 from ._protocol import (
     Ack,
     BufferInfo,
@@ -285,6 +286,13 @@ class PublisherRole:
     def stop_for(self, session: str, reason: str) -> Stop:
         """A STOP for one session (evicted, silent, replaced): the next event."""
         return Stop(self.bus_id, self.next_seq(), session, reason)
+
+    def took(self, seconds: float) -> None:
+        """A publish ended (its last ack, or its deadline with on_timeout="evict")
+        `seconds` after publish() was called: count it in the ``publish`` histogram of
+        `counters` (see `_histogram`). The one call here that needs no lock: only the
+        threads that finish publishes write those keys."""
+        record(self.counters, PUBLISH, seconds)
 
     def evict(self, worker_ids: Iterable[str]) -> list[Member]:
         """Drop workers a publish gave up on (on_timeout="evict")."""

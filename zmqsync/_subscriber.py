@@ -73,6 +73,7 @@ from ._deadline import Deadline
 from ._errors import ClosedError, ProtocolError, ZmqSyncError
 from ._fast_frames import receive_pattern, template_pieces
 from ._follow import FOLLOWER, GATE, libzmq_path, zmq_error
+from ._histogram import APPLY, record
 from ._layout import Key, Layout, flatten
 from ._link import Link, LinkState, Offer
 from ._protocol import Ack, Hello, Welcome
@@ -275,7 +276,8 @@ class Subscriber:
     def counters(self) -> dict[str, int]:
         """What this worker counted: ``applied`` (versions applied), ``native`` (how many
         of them the native follower took), ``rejected``, ``foreign`` and ``gaps`` (the
-        Link's). A snapshot: a new dict on every read."""
+        Link's), ``apply_us_*`` (how long the others took, see `_histogram`). A snapshot:
+        a new dict on every read."""
         state = self._state
         return {"applied": state.applied, "native": state.native, **self._counts}
 
@@ -516,6 +518,7 @@ class Subscriber:
         Mirrored in C by Follower.next (``_follower.c``) and in `ReferenceFollower`, for
         the versions they take: the same writes to the `WorkerState`, under this lock."""
         with self._apply_lock:
+            started = time.perf_counter()  # the ``apply`` histogram of `counters`
             attachment, views, target = self._attachment, self._views, self._target
             if attachment is None or target is None or offer.bus != self._bus_id:
                 return None  # re-handshaken since: a newer offer follows
@@ -555,6 +558,7 @@ class Subscriber:
                     self._state.held = (slot, counter) if self.mode == "alias" else None
                     self._state.version, self._version_bus_id = version, offer.bus
                     self._state.applied += 1
+                    record(self._counts, APPLY, time.perf_counter() - started)
                 if self._on_update is not None:
                     self._on_update(version)
                 return version

@@ -159,7 +159,6 @@ class Agent:
         self._acks: tuple[str, str, Callable[[int], bytes]] | None = None  # session, bus
         # The native path (see `_follow`), built for one handshake's sockets and session.
         self._follower: Any = None
-        self._follow_tries = 0
         # The agent blocks in recv() on its SUB socket, which is also connected to this
         # inproc PUB: close() wakes it with one frame (see `_loop`).
         self._wake = self.ctx.socket(zmq.PUB)
@@ -249,7 +248,7 @@ class Agent:
 
     def _handshake(self, deadline: Deadline, attempts: int) -> None:
         link, port = self.link, self.port
-        self._follower, self._follow_tries = None, 0  # its sockets and session go
+        self._follower = None  # its sockets and session go
         transport, note = port.transport()
         hello = link.hello(os.getpid(), socket.gethostname()[:255], transport, note)
         reply = self._request_welcome(hello, deadline, attempts)
@@ -416,16 +415,17 @@ class Agent:
 
     def _applied(self, version: int) -> None:
         """`version` is what the model computes with now: ACK it, then wake its waiters.
-        Applied the Python way: from now on the native path may take the versions (a few
-        tries per handshake, as the first versions may come before the model is bound
-        to a `Switch`)."""
+        Applied the Python way: a follower may take the versions that follow from now
+        on, if `can_take` says so (asked after every such version, so one applied before
+        the model was bound to a `Switch` is no reason to stay on this way; a handful of
+        attribute reads, on a port that may follow at all: alias mode, background apply).
+        """
         self._ack(version)
         self.port.waiters.wake(version)
         follow = self.port.follow
-        if follow is not None and self._follower is None and self._follow_tries < 3:
+        if follow is not None and self._follower is None:
             events, acks = self.events, self.acks
             if events is not None and acks is not None:
-                self._follow_tries += 1
                 self._follower = follow(events, acks)
 
     def _do(self, action: Action) -> None:

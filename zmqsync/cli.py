@@ -13,8 +13,8 @@ that move tensors (demo, worker, bench, relay) import it inside their function.
 Signals: SIGTERM (``docker stop``, systemd, ``kill``) raises KeyboardInterrupt in the
 main thread, as Ctrl-C does, so every ``with`` block unwinds the same way: a publisher
 unlinks its segment and socket files, the demo ends its workers. The commands that run
-until stopped (worker, sniff, relay) catch both signals themselves, finish the line they
-are on, print their summary and exit 0.
+until stopped (worker, sniff, top, metrics, relay) catch both signals themselves, finish
+the line they are on, print their summary and exit 0.
 
 Any local process can be a peer on a bus, so every string a peer sent (a worker id, a
 host, a STOP or ERROR reason, a bus name, a counter name, a tensor key) is shown with its
@@ -34,14 +34,14 @@ import sys
 from collections.abc import Iterator, Sequence
 from types import FrameType
 
-from ._cli import LINE_LIMIT, bench, demo, gc, inspect, relay, sniff, worker
+from ._cli import LINE_LIMIT, bench, demo, gc, inspect, metrics, relay, sniff, top, worker
 from ._errors import ZmqSyncError
 from ._text import printable
 
 __all__ = ["main"]
 
 # In the order of `zmqsync --help`.
-COMMANDS = (demo, worker, inspect, sniff, bench, relay, gc)
+COMMANDS = (demo, worker, inspect, sniff, top, metrics, bench, relay, gc)
 
 _DESCRIPTION = """\
 Move PyTorch weights from a trainer to worker processes on this host (shared memory +
@@ -52,12 +52,15 @@ examples:
   zmqsync worker --name policy --verify join the bus 'policy' and check every version
   zmqsync inspect --name policy         manifest, buffers, workers and counters of a bus
   zmqsync sniff --name policy           every message on the bus, as it happens
+  zmqsync top --name policy             workers, lag, publish rate and latency, live
+  zmqsync metrics --name policy --port 9108   /metrics for Prometheus
   zmqsync gc                            remove what killed trainers left behind
 
 Buses are found by name in $ZMQSYNC_RUNTIME_DIR (default $XDG_RUNTIME_DIR/zmqsync or
 /tmp/zmqsync-UID), or by address: tcp://HOST:PORT or ipc:///path. Exit status: 0 on
 success, 1 with a one-line reason on failure, 2 for a usage error, 130 after Ctrl-C,
-143 after SIGTERM. Docs: README.md, docs/guide.md, docs/sniffer.md."""
+143 after SIGTERM. Docs: README.md, docs/guide.md, docs/sniffer.md,
+docs/metrics.md."""
 
 
 class _Terminated(KeyboardInterrupt):

@@ -35,7 +35,7 @@ It hooks in where torchrl's ``SharedMemWeightSyncScheme`` does:
   an in-place change of the trainer's weights reaches them before
   ``update_policy_weights_()``. This scheme does the same where torchrl would (the
   collector's own CPU policy, or a ``params_map`` the caller put in shared memory): a
-  live bus (``Publisher(live=True)``), alias workers, a publish that only notifies.
+  live bus (``Publisher(writes=Live())``), alias workers, a publish that only notifies.
   Elsewhere, and with ``live=False``, versions are atomic copies.
 * **Per-worker weights** (``per_worker_weights=True``, distinct policy factories, or a
   ``params_map`` of distinct TensorDicts): one bus per worker, ``<name>-<i>``.

@@ -1,0 +1,346 @@
+"""Prometheus metrics of a bus: collectors for prometheus-client (``zmqsync[metrics]``).
+
+A trainer that already exports metrics registers ours in its own registry; one that does
+not can start the client's HTTP server::
+
+    from prometheus_client import REGISTRY, start_http_server
+    from zmqsync.metrics import PublisherCollector
+
+    REGISTRY.register(PublisherCollector(pub))
+    start_http_server(9108)
+
+A worker does the same with `SubscriberCollector`. The collectors are custom collectors
+in prometheus-client's sense: they read, at each scrape, what a `Publisher` or
+`Subscriber` counts anyway (its version, workers and counters), so a publish or an apply
+does no work for them. `StateCollector` reads the same from another process, over the
+control socket's INSPECT, which is what ``zmqsync metrics`` serves; a bus that does not
+answer is ``zmqsync_up 0``. docs/metrics.md lists every metric.
+
+This module imports prometheus_client; ``import zmqsync`` never imports this module.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import threading
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+try:
+    from prometheus_client.core import (
+        CounterMetricFamily,
+        GaugeMetricFamily,
+        HistogramMetricFamily,
+        Metric,
+    )
+    from prometheus_client.registry import Collector
+except ImportError as exc:  # pragma: no cover - the extra is installed in CI
+    raise ImportError(
+        "zmqsync.metrics needs prometheus-client: pip install 'zmqsync[metrics]'"
+    ) from exc
+
+from ._bus_sample import BusSample, from_publisher, from_state
+from ._histogram import APPLY, PUBLISH, Keys, read
+from ._text import printable
+
+__all__ = ["PublisherCollector", "StateCollector", "SubscriberCollector"]
+
+log = logging.getLogger(__name__)
+
+# Publisher counters shown as zmqsync_refused_total{reason}: what each refusal means.
+_REFUSALS = {
+    "rejected": "invalid",  # a request or worker message outside the protocol
+    "refused_ids": "id_in_use",  # a HELLO for a worker id a live process holds
+    "throttled": "handshake_rate",  # a HELLO beyond handshake_rate
+    "refused_connections": "connections",  # a connection beyond the fd budget or a rate
+    "dropped_peers": "flooding",  # a peer dropped for what it sent
+    "stale": "stale_session",  # an ACK or HEARTBEAT of a session no longer on the bus
+}
+
+
+def _histogram_family(name: str, doc: str, labels: list[str]) -> HistogramMetricFamily:
+    return HistogramMetricFamily(name, doc, labels=labels)
+
+
+def _add_histogram(
+    family: HistogramMetricFamily, values: list[str], counts: Any, keys: Keys
+) -> None:
+    hist = read(counts, keys)
+    buckets = [("+Inf" if math.isinf(le) else repr(le), float(n)) for le, n in hist.buckets]
+    family.add_metric(values, buckets, hist.sum)
+
+
+def _bus_families(bus: str, sample: BusSample | None) -> list[Metric]:
+    """Every metric of one bus; `sample` None: its publisher did not answer (up 0 only).
+
+    Label values a peer chose (bus name, worker id, host) are made `printable`: the
+    exposition format escapes only quotes, backslashes and newlines, and a scrape read
+    with curl on a terminal must not run a peer's escape sequences.
+    """
+    bus = printable(bus)
+    up = GaugeMetricFamily(
+        "zmqsync_up", "1 if the bus's publisher answered this scrape, else 0", labels=["bus"]
+    )
+    up.add_metric([bus], 0.0 if sample is None else 1.0)
+    if sample is None:
+        return [up]
+    b, c = [bus], sample.counters
+    info = GaugeMetricFamily(
+        "zmqsync_publisher_info",
+        "the publisher's bus id (new at every start) and pid; always 1",
+        labels=["bus", "bus_id", "pid"],
+    )
+    info.add_metric([bus, sample.bus_id, str(sample.pid)], 1.0)
+    version = GaugeMetricFamily("zmqsync_version", "the last published version", labels=["bus"])
+    version.add_metric(b, float(sample.version))
+    workers = GaugeMetricFamily("zmqsync_workers", "workers on the bus now", labels=["bus"])
+    workers.add_metric(b, float(len(sample.workers)))
+    per = ["bus", "worker"]
+    w_version = GaugeMetricFamily(
+        "zmqsync_worker_version", "the last version the worker acknowledged", labels=per
+    )
+    w_lag = GaugeMetricFamily(
+        "zmqsync_worker_lag", "versions the worker is behind the latest", labels=per
+    )
+    w_silent = GaugeMetricFamily(
+        "zmqsync_worker_last_seen_seconds", "seconds since the worker's last message", labels=per
+    )
+    w_info = GaugeMetricFamily(
+        "zmqsync_worker_info",
+        "how the worker applies and reads versions, and where it runs; always 1",
+        labels=[*per, "mode", "transport", "host", "pid"],
+    )
+    for w in sample.workers:
+        who = [bus, printable(w.worker_id)]
+        w_version.add_metric(who, float(w.version))
+        if w.lag is not None:  # no series before its first ack: its lag is unknown
+            w_lag.add_metric(who, float(w.lag))
+        w_silent.add_metric(who, w.silent_s)
+        w_info.add_metric([*who, w.mode, w.transport, printable(w.host), str(w.pid)], 1.0)
+    seconds = _histogram_family(
+        "zmqsync_publish_seconds",
+        "from publish() to the last worker's ack, for publishes whose end was waited for",
+        ["bus"],
+    )
+    _add_histogram(seconds, b, c, PUBLISH)
+    families: list[Metric] = [up, info, version, workers, w_version, w_lag, w_silent, w_info]
+    families.append(seconds)
+    for name, key, doc in (
+        ("zmqsync_publishes", "publishes", "versions published (version 0 not counted)"),
+        ("zmqsync_publish_timeouts", "timeouts", "publishes that missed their deadline"),
+        ("zmqsync_acks", "acks", "acknowledgements counted"),
+        ("zmqsync_handshakes", "handshakes", "workers welcomed (joins and re-joins)"),
+    ):
+        counter = CounterMetricFamily(name, doc, labels=["bus"])
+        counter.add_metric(b, float(c.get(key, 0)))
+        families.append(counter)
+    lost = CounterMetricFamily(
+        "zmqsync_workers_lost",
+        "workers dropped: silent for ~6 heartbeats, or evicted by a publish's deadline",
+        labels=["bus", "reason"],
+    )
+    lost.add_metric([bus, "silent"], float(c.get("lost", 0)))
+    lost.add_metric([bus, "evicted"], float(c.get("evictions", 0)))
+    refused = CounterMetricFamily(
+        "zmqsync_refused", "requests, messages and connections refused", labels=["bus", "reason"]
+    )
+    for key, reason in _REFUSALS.items():
+        refused.add_metric([bus, reason], float(c.get(key, 0)))
+    families += [lost, refused]
+    if "connections" in c:  # STATE only
+        conns = GaugeMetricFamily(
+            "zmqsync_connections", "connections open to the bus's sockets", labels=["bus"]
+        )
+        conns.add_metric(b, float(c["connections"]))
+        families.append(conns)
+    if sample.version_bytes is not None:
+        size = GaugeMetricFamily(
+            "zmqsync_version_bytes",
+            "bytes of one version: what a full publish writes (rate(zmqsync_publishes_total) "
+            "times this bounds the bytes written per second)",
+            labels=["bus"],
+        )
+        size.add_metric(b, float(sample.version_bytes))
+        families.append(size)
+    if sample.slot_versions:
+        slots = GaugeMetricFamily(
+            "zmqsync_slot_version",
+            "the version each slot holds (-1: empty)",
+            labels=["bus", "slot"],
+        )
+        for i, v in enumerate(sample.slot_versions):
+            slots.add_metric([bus, str(i)], float(v))
+        families.append(slots)
+    return families
+
+
+class PublisherCollector(Collector):
+    """The metrics of publishers of this process, read at each scrape.
+
+    Args:
+        publishers: one or more `zmqsync.Publisher`; one collector for all of them (two
+            collectors of the same names cannot share a registry).
+    """
+
+    def __init__(self, *publishers: Any) -> None:
+        if not publishers:
+            raise ValueError("PublisherCollector needs at least one Publisher")
+        self._publishers = publishers
+
+    def collect(self) -> Iterator[Metric]:
+        merged: dict[str, Metric] = {}
+        for pub in self._publishers:
+            for family in _bus_families(pub.name, from_publisher(pub, os.getpid())):
+                _merge(merged, family)
+        yield from merged.values()
+
+    def describe(self) -> Iterator[Metric]:
+        """The names this collector exports (the registry checks them for clashes)."""
+        yield from _bus_families("", _EMPTY)
+
+
+class SubscriberCollector(Collector):
+    """The metrics of workers (`zmqsync.Subscriber`) of this process, read at each scrape."""
+
+    def __init__(self, *subscribers: Any) -> None:
+        if not subscribers:
+            raise ValueError("SubscriberCollector needs at least one Subscriber")
+        self._subscribers = subscribers
+
+    def collect(self) -> Iterator[Metric]:
+        yield from _worker_families(self._subscribers)
+
+    def describe(self) -> Iterator[Metric]:
+        """The names this collector exports (the registry checks them for clashes)."""
+        yield from _worker_families(())
+
+
+def _worker_families(subscribers: Iterable[Any]) -> list[Metric]:
+    labels = ["bus", "worker"]
+    version = GaugeMetricFamily(
+        "zmqsync_applied_version", "the version the worker's model computes with", labels=labels
+    )
+    connected = GaugeMetricFamily(
+        "zmqsync_connected", "1 while the worker hears its publisher, else 0", labels=labels
+    )
+    seconds = _histogram_family(
+        "zmqsync_apply_seconds",
+        "from taking a version to its being applied, before its ack (versions the native "
+        "follower takes are counted in zmqsync_applied_versions_total, not timed)",
+        labels,
+    )
+    applied = CounterMetricFamily(
+        "zmqsync_applied_versions", "versions applied", labels=[*labels, "path"]
+    )
+    events = CounterMetricFamily(
+        "zmqsync_dropped_events",
+        "events dropped: invalid, from a foreign bus, or a gap in the sequence",
+        labels=[*labels, "reason"],
+    )
+    for sub in subscribers:
+        key, c = [printable(sub.name), printable(sub.worker_id)], sub.counters
+        version.add_metric(key, float(sub.version))
+        connected.add_metric(key, 1.0 if sub.connected else 0.0)
+        _add_histogram(seconds, key, c, APPLY)
+        native = c.get("native", 0)
+        applied.add_metric([*key, "python"], float(c.get("applied", 0) - native))
+        applied.add_metric([*key, "native"], float(native))
+        for reason in ("rejected", "foreign", "gaps"):
+            events.add_metric([*key, reason], float(c.get(reason, 0)))
+    return [version, connected, seconds, applied, events]
+
+
+class StateCollector(Collector):
+    """The metrics of a bus in another process, from one INSPECT per scrape.
+
+    What ``zmqsync metrics`` serves: it runs beside an unmodified trainer (in another
+    container too), asks the control socket as ``zmqsync inspect`` does, and reports
+    ``zmqsync_up 0`` while nobody answers there.
+
+    Args:
+        address: the bus's control address.
+        bus: the label to use (the bus's name).
+        timeout: seconds one scrape waits for the publisher's answer.
+        name: the bus name, to find CURVE keys a ``curve=True`` publisher wrote.
+    """
+
+    def __init__(
+        self, address: str, bus: str, *, timeout: float = 1.0, name: str | None = None
+    ) -> None:
+        import zmq
+
+        from ._security import client_from_env
+
+        self.address, self.bus, self.timeout = address, bus, timeout
+        curve = client_from_env(name)
+        self._secure = curve.apply if curve is not None else None
+        self._ctx: Any = zmq.Context()
+        self._closed = threading.Event()
+        # one scrape at a time: close() waits for it before the context goes
+        self._asking = threading.Lock()
+        self.scrapes = 0
+        self.failures = 0
+
+    def sample(self) -> BusSample | None:
+        """The bus now, or None if its publisher did not answer within `timeout`."""
+        from ._deadline import Deadline
+        from ._errors import ZmqSyncError
+        from ._protocol import Inspect, State
+        from ._sockets import request
+
+        deadline = Deadline(self.timeout)
+        if not self._asking.acquire(timeout=self.timeout):
+            return None  # another scrape took the whole deadline: the bus did not answer
+        try:
+            if self._closed.is_set():
+                return None
+            self.scrapes += 1
+            reply = request(
+                self._ctx,
+                self.address,
+                Inspect(""),
+                deadline=deadline,
+                secure=self._secure,
+                cancelled=self._closed.is_set,
+            )
+        except ZmqSyncError as exc:
+            self.failures += 1
+            log.info("no state from %s: %s", self.address, exc)
+            return None
+        finally:
+            self._asking.release()
+        if not isinstance(reply, State):
+            self.failures += 1
+            log.info("%s answered %s, not STATE", self.address, reply.TYPE)
+            return None
+        return from_state(reply)
+
+    def collect(self) -> Iterator[Metric]:
+        yield from _bus_families(self.bus, self.sample())
+
+    def describe(self) -> Iterator[Metric]:
+        """The names this collector exports (the registry checks them for clashes)."""
+        yield from _bus_families("", _EMPTY)
+
+    def close(self) -> None:
+        """Cut a scrape in progress short, then release the ZeroMQ context. Idempotent."""
+        self._closed.set()
+        if self._asking.acquire(timeout=self.timeout + 1.0):  # the scrape saw `_closed`
+            self._asking.release()
+        self._ctx.destroy(linger=0)
+
+
+def _merge(merged: dict[str, Metric], family: Metric) -> None:
+    """Add `family`'s samples to the family of the same name (several buses)."""
+    if family.name in merged:
+        merged[family.name].samples.extend(family.samples)
+    else:
+        merged[family.name] = family
+
+
+# A bus with every optional metric, for `describe` (names only).
+_EMPTY = BusSample(
+    "", "", 0, 0, (), {"connections": 0}, slots=1, slot_versions=(0,), version_bytes=0
+)
