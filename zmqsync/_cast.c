@@ -172,19 +172,24 @@ PyObject *zs_cast_isas(PyObject *self, PyObject *unused)
 {
     (void)self;
     (void)unused;
-    PyObject *out = PyTuple_New(0);
-    for (int isa = ISA_COUNT - 1; out != NULL && isa >= 0; isa--) {
+    PyObject *names = PyList_New(0);
+    for (int isa = ISA_COUNT - 1; names != NULL && isa >= 0; isa--) {
         if (!runs(isa)) {
             continue;
         }
         PyObject *name = PyUnicode_FromString(isa_names[isa]);
-        if (name == NULL || _PyTuple_Resize(&out, PyTuple_GET_SIZE(out) + 1) < 0) {
+        if (name == NULL || PyList_Append(names, name) < 0) {
             Py_XDECREF(name);
-            Py_XDECREF(out);
+            Py_DECREF(names);
             return NULL;
         }
-        PyTuple_SET_ITEM(out, PyTuple_GET_SIZE(out) - 1, name);
+        Py_DECREF(name);
     }
+    if (names == NULL) {
+        return NULL;
+    }
+    PyObject *out = PyList_AsTuple(names);
+    Py_DECREF(names);
     return out;
 }
 
