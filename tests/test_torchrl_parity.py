@@ -15,7 +15,8 @@ Not run, and why (also in docs/torchrl.md):
 
 * ``test_weight_sync_scheme_from_backend[shared|thread]`` and
   ``test_weight_sync_scheme_from_backend_forwards_kwargs``: torchrl's backend-name
-  registry builds its own class by name; no collector, nothing a scheme does.
+  registry builds its own class by name; no collector, nothing a scheme does. What they
+  check is checked for the "zmq" backend in tests/test_torchrl_staleness.py.
 * ``TestUpdateParams`` (``test_param_sync``, ``test_param_sync_mixed_device``,
   ``test_shared_device_weight_update``): upstream skips them without CUDA (3 GPUs for
   the last); they are collected here and skip the same way.

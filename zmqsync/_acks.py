@@ -58,16 +58,28 @@ class AckWait:
         with self._cond:
             return self._registry.missing(version, targets)
 
-    def wait(self, version: int, targets: tuple[Meant, ...], deadline: Deadline) -> tuple[str, ...]:
-        """Wait for every target's ack of `version`; the targets that acked (`expired`
-        decides what happens to the others)."""
-        self.until(self._all_acked(version, targets), deadline)
+    def lags(self, version: int, targets: tuple[Meant, ...]) -> dict[str, int]:
         with self._cond:
-            if missing := self._registry.missing(version, targets):
+            return self._registry.lags(version, targets)
+
+    def wait(
+        self, version: int, targets: tuple[Meant, ...], deadline: Deadline, max_lag: int = 0
+    ) -> tuple[str, ...]:
+        """Wait until every target applied `version - max_lag` or newer (max_lag=0: acked
+        `version` itself); the targets that did (`expired` decides what happens to the
+        others). A target that leaves the bus, or is dropped as silent, is not waited for.
+        """
+        floor = version - max_lag
+        self.until(self._all_acked(floor, targets), deadline)
+        with self._cond:
+            if missing := self._registry.missing(floor, targets):
                 self.check()
-                acked = self._registry.acked(version, targets)
-                self.expired(version, acked, missing, "did not ack")
-            return tuple(self._registry.acked(version, targets))
+                acked = self._registry.acked(floor, targets)
+                what = (
+                    "did not ack" if max_lag == 0 else f"did not apply v{floor} (max_lag={max_lag})"
+                )
+                self.expired(version, acked, missing, what)
+            return tuple(self._registry.acked(floor, targets))
 
     def took(self, seconds: float) -> None:
         """A publish ended (every target acked, or the late ones were evicted) `seconds`

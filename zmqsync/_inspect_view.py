@@ -14,7 +14,13 @@ from typing import Any
 from ._histogram import PUBLISH, quantile, read
 from ._text import printable
 
-__all__ = ["print_relays", "print_state"]
+__all__ = ["lag_of", "print_relays", "print_state"]
+
+
+def lag_of(state: Any, acked: int) -> int | None:
+    """How many versions a worker that acked `acked` is behind the bus's latest (what
+    ``Publisher.workers[id].lag`` says); None before its first ack."""
+    return max(0, state.version - acked) if acked >= 0 else None
 
 
 def print_relays(tree: Mapping[str, Any]) -> None:
@@ -115,7 +121,7 @@ def print_state(state: Any, warning: str | None = None) -> None:
     for col in ("worker", "pid", "host", "mode", "transport", "version", "lag", "last seen"):
         workers.add_column(col)
     for w in state.workers:
-        lag = state.version - w.version if w.version >= 0 else "-"
+        lag = lag_of(state, w.version)
         workers.add_row(
             cell(w.worker_id),
             str(w.pid),
@@ -124,7 +130,7 @@ def print_state(state: Any, warning: str | None = None) -> None:
             # why a worker reads the CPU copy of CUDA weights, when it does
             cell(f"{w.transport} ({w.transport_note})" if w.transport_note else w.transport),
             str(w.version),
-            str(lag),
+            "-" if lag is None else str(lag),
             f"{w.last_seen:.2f} s ago",
         )
     console.print(workers)

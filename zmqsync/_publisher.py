@@ -88,8 +88,10 @@ class Publish:
         meant: tuple[Meant, ...],
         started: float,
         pending: Pending | None = None,
+        max_lag: int | None = 0,
     ) -> None:
         self.version = version
+        self.max_lag = max_lag  # the bound publish() applied (None: it did not wait)
         self.targets = tuple(w for w, _ in meant)
         self._meant = meant
         self._acks = acks
@@ -140,17 +142,33 @@ class Publish:
         end = self._finished if self._finished is not None else time.perf_counter()
         return end - self._started
 
+    @property
+    def lags(self) -> dict[str, int]:
+        """How many versions each target still on the bus is behind this one, now (0: it
+        applied this version or a newer one). Read right after ``publish(max_lag=k)``
+        returns, none is above k."""
+        return self._acks.lags(self.version, self._meant)
+
+    @property
+    def slowest(self) -> tuple[str, int] | None:
+        """The target furthest behind this version now, and by how many versions (None:
+        no target is on the bus)."""
+        lags = self.lags
+        return max(lags.items(), key=lambda item: item[1]) if lags else None
+
     def done(self) -> bool:
         """True once no target still on the bus is missing."""
         if self._finished is not None:
             return True
         return not self._acks.missing(self.version, self._meant)
 
-    def wait(self, timeout: float | None = DEFAULT) -> Publish:
-        """Block until every target acked, then return self.
+    def wait(self, timeout: float | None = DEFAULT, *, max_lag: int = 0) -> Publish:
+        """Block until every target acked (or, with `max_lag`, applied at least
+        ``version - max_lag``), then return self.
 
         Args:
             timeout: seconds; left out: the publisher's `timeout`; None: no limit.
+            max_lag: how many versions behind this one a target may still be.
 
         Raises:
             PublishTimeout: with on_timeout="raise", some targets did not ack in time
@@ -161,8 +179,8 @@ class Publish:
         deadline = Deadline(acks.timeout if timeout is DEFAULT else timeout)
         if self._pending is not None:  # announced only once written
             self._pending.wait(deadline.remaining())
-        acked = acks.wait(self.version, self._meant, deadline)
-        if self._finished is None:
+        acked = acks.wait(self.version, self._meant, deadline, max_lag)
+        if self._finished is None and max_lag == 0:
             self._finished, self._acked = time.perf_counter(), acked
             acks.took(self._finished - self._started)
         return self
@@ -402,6 +420,13 @@ class Publisher:
             return self._registry.infos(time.time() - time.monotonic())
 
     @property
+    def max_lag_allowed(self) -> int | None:
+        """The largest ``max_lag`` publish() accepts: ``slots - 1`` (None: any, with
+        ``Live()`` writes, which never wait for a slot). While an alias worker is on the
+        bus a publish applies at most ``slots - 2``: each pins the slot it computes with."""
+        return self._mode.lag_room(self._slot_count, False)
+
+    @property
     def counters(self) -> dict[str, int]:
         with self._shared.lock:
             return dict(self._role.counters)
@@ -414,6 +439,7 @@ class Publisher:
         workers: Iterable[str] | None = None,
         timeout: float | None = DEFAULT,
         keys: Iterable[str | Key] | None = None,
+        max_lag: int | None = DEFAULT,
     ) -> Publish:
         """Write a new version into a free slot, announce it, and (by default) wait for acks.
 
@@ -433,15 +459,25 @@ class Publisher:
             keys: publish only these tensors (dotted names or key tuples, e.g. an
                 adapter's) as the new version; every other tensor keeps the value it had
                 in the last version, in every slot.
+            max_lag: bounded staleness: return once every target applied at least
+                ``version - max_lag`` (0: this version, as ``wait=True``; None: do not
+                wait, as ``wait=False``). Left out: `wait` decides. It must leave the
+                next publish a free slot: at most ``slots - 1``; while an alias worker is
+                on the bus the bound applied is at most ``slots - 2`` (`Publish.max_lag`
+                says which). See docs/guide.md, "Staleness".
 
         Raises:
             LayoutMismatch: `weights` has other keys, shapes or dtypes.
             PublishTimeout: with on_timeout="raise", workers did not ack (or still held
-                every slot) before the deadline.
+                every slot, or stayed more than `max_lag` versions behind) before the
+                deadline.
+            ValueError: `max_lag` is negative, above ``slots - 1``, or given with
+                ``wait=False``.
             ClosedError: the publisher is not started.
         """
         acks = self._usable()
         started = time.perf_counter()
+        lag = self._check_lag(wait, max_lag)
         deadline = Deadline(self._timeout if timeout is DEFAULT else timeout)
         mode = self._mode
         flat, named = mode.read(weights, self._source.named(keys))
@@ -452,12 +488,36 @@ class Publisher:
             with self._shared.cond:
                 ids = self._registry.members if workers is None else workers
                 targets = self._registry.meant(ids)
+                if lag and self._registry.alias_readers():  # each pins one slot more
+                    room = mode.lag_room(self._slot_count, True)
+                    lag = lag if room is None else min(lag, room)
             pending = mode.write(slot, version, flat, named)
-        handle = Publish(acks, version, targets, started, pending)
+        handle = Publish(acks, version, targets, started, pending, lag)
         log.debug("published v%d into slot %d for %d workers", version, slot, len(targets))
-        if wait:
-            handle.wait(deadline.remaining())
+        if lag is not None:
+            handle.wait(deadline.remaining(), max_lag=lag)
         return handle
+
+    def _check_lag(self, wait: bool, max_lag: int | None) -> int | None:
+        """The bound a publish waits for (None: none), or ValueError for one that cannot
+        hold: with more versions in flight than slots, the claim of a free slot would
+        become the real bound, unseen."""
+        if max_lag is DEFAULT:
+            return 0 if wait else None
+        if not wait and max_lag is not None:
+            raise ValueError("wait=False is max_lag=None: give one of them, not both")
+        if max_lag is None:
+            return None
+        if isinstance(max_lag, bool) or not isinstance(max_lag, int) or max_lag < 0:
+            raise ValueError(f"max_lag must be an int >= 0 or None, not {max_lag!r}")
+        room = self.max_lag_allowed
+        if room is not None and max_lag > room:
+            raise ValueError(
+                f"max_lag={max_lag} needs slots >= {max_lag + 1} ({max_lag + 2} with alias "
+                f"workers): publisher {self.name!r} has {self._slot_count}; pass "
+                f"Publisher(slots={max_lag + 1}) or more, or a smaller max_lag"
+            )
+        return max_lag
 
     def wait_for_workers(self, n: int, timeout: float | None = DEFAULT) -> bool:
         """Block until `n` workers are on the bus; False if the deadline passed first."""

@@ -46,7 +46,10 @@ class WorkerInfo:
     """A snapshot of one worker, as `Publisher.workers` reports it.
 
     `version` is the last version it acknowledged (-1 before its first ack);
-    `last_seen` is a ``time.time()`` timestamp of its last message.
+    `last_seen` is a ``time.time()`` timestamp of its last message; `lag` is how many
+    versions it is behind the latest published one (0: it computes with the latest).
+    Before its first ack a worker counts as having applied the version before the one
+    it was welcomed with.
     """
 
     worker_id: str
@@ -56,6 +59,7 @@ class WorkerInfo:
     mode: str
     transport: str
     last_seen: float
+    lag: int = 0
 
 
 @dataclass(slots=True)
@@ -71,6 +75,12 @@ class Member:
     last_seen: float = 0.0  # monotonic
     process: str = ""  # the HELLO's nonce, else the session: which process this is
     heard: bool = False  # a message came from this session since its WELCOME
+
+    @property
+    def applied(self) -> int:
+        """The newest version it is known to compute with: the one it acked, else (no
+        ack yet) the one before its welcome, which it is about to replace."""
+        return self.acked if self.acked >= 0 else self.floor - 1
 
     def busy_with(self, version: int, latest: int) -> bool:
         """Whether this worker may be reading `version` now or (alias) computing with it:
@@ -298,9 +308,35 @@ class Registry:
                     out.append(w)
         return out
 
+    def lags(self, version: int, targets: Iterable[Meant]) -> dict[str, int]:
+        """How many versions each target still on the bus is behind `version` (0: it
+        applied `version` or a newer one); targets gone, or whose id another process
+        holds now, are left out."""
+        members, out = self.members, {}
+        for w, process in targets:
+            member = members.get(w)
+            if member is not None and (not process or member.process == process):
+                out[w] = max(0, version - member.applied)
+        return out
+
+    def alias_readers(self) -> bool:
+        """Whether an alias-mode worker (member or displaced) is on the bus: each pins
+        the slot it computes with, one slot less for versions in flight."""
+        return any(m.mode == "alias" for m in (*self.members.values(), *self.displaced.values()))
+
     def infos(self, wall_offset: float) -> dict[str, WorkerInfo]:
+        latest = self.latest
         return {
-            w: WorkerInfo(w, m.pid, m.host, m.acked, m.mode, m.transport, m.last_seen + wall_offset)
+            w: WorkerInfo(
+                w,
+                m.pid,
+                m.host,
+                m.acked,
+                m.mode,
+                m.transport,
+                m.last_seen + wall_offset,
+                max(0, latest - m.applied),
+            )
             for w, m in self.members.items()
         }
 

@@ -28,7 +28,20 @@ import zmq
 
 from ._deadline import Deadline
 from ._errors import ProtocolError
-from ._protocol import Ack, Bye, Hello, Receive, State, Stop, Tap, Welcome, decode, encode, to_plain
+from ._protocol import (
+    Ack,
+    Bye,
+    Heartbeat,
+    Hello,
+    Receive,
+    State,
+    Stop,
+    Tap,
+    Welcome,
+    decode,
+    encode,
+    to_plain,
+)
 from ._security import client_from_env
 from ._sockets import connect, resolve_endpoint
 from ._text import printable
@@ -209,7 +222,10 @@ class _Version:
 
 
 class Summary:
-    """Per-version view: publish → each worker's ack latency, missing workers, gaps, rate."""
+    """Per-version view: publish → each worker's ack latency, missing workers, gaps, rate;
+    and per worker its lag: how many versions it is behind the latest announced one (from
+    its ACKs and heartbeats), now and at most, counted as each new version is announced
+    (the staleness a trainer that publishes again at once sees; with ``max_lag=k``, k)."""
 
     def __init__(self, workers: set[str], *, acks_visible: bool = True) -> None:
         self.workers = set(workers)
@@ -220,6 +236,9 @@ class Summary:
         self.first: float | None = None
         self.last: float | None = None
         self.invalid = 0
+        self.latest: int | None = None  # the newest version announced
+        self.applied: dict[str, int] = {}  # worker -> newest version it acked or beat with
+        self.max_lag: dict[str, int] = {}
 
     def add(self, record: Record) -> str | None:
         """Account for `record`; returns a summary line when a version is complete."""
@@ -237,10 +256,18 @@ class Summary:
             if self.last_seq is not None and msg.seq > self.last_seq + 1:
                 self.gaps += msg.seq - self.last_seq - 1
             self.last_seq = msg.seq
+        if isinstance(msg, Ack | Heartbeat) and msg.worker_id and msg.version >= 0:
+            self.applied[msg.worker_id] = max(msg.version, self.applied.get(msg.worker_id, -1))
         if isinstance(msg, Receive):
+            behind = self.lags()  # as the trainer moves on
+            for worker, lag in behind.items():
+                self.max_lag[worker] = max(lag, self.max_lag.get(worker, 0))
+            self.latest = msg.version
             self.versions[msg.version] = _Version(record.ts, set(self.workers))
             self.first = record.ts if self.first is None else self.first
             self.last = record.ts
+            if any(behind.values()):  # someone had not caught up: say who, how far
+                return f"v{msg.version} announced; {self.lag_line()}"
         elif isinstance(msg, Ack) and msg.version in self.versions:
             v = self.versions[msg.version]
             v.acks.setdefault(msg.worker_id, record.ts - v.sent)
@@ -249,6 +276,30 @@ class Summary:
         elif isinstance(msg, Welcome) and record.peer:
             self.workers.add(record.peer)
         return None
+
+    def seed(self, state: State) -> Summary:
+        """Start from the bus's STATE: its latest version and what each worker acked."""
+        self.latest = state.version
+        self.applied.update({w.worker_id: w.version for w in state.workers if w.version >= 0})
+        return self
+
+    def lags(self) -> dict[str, int]:
+        """Each worker on the bus that acked a version: versions behind the latest."""
+        if self.latest is None or not self.acks_visible:
+            return {}
+        latest = self.latest
+        return {w: max(0, latest - v) for w, v in self.applied.items() if w in self.workers}
+
+    def lag_line(self) -> str:
+        """``lag now/max: w0 0/2, w1 1/2`` (worker ids escaped), or "" before any."""
+        lags = self.lags()
+        if not lags:
+            return ""
+        shown = [
+            f"{printable(w, limit=128)} {lag}/{self.max_lag.get(w, lag)}"
+            for w, lag in sorted(lags.items())[:32]
+        ]
+        return "lag now/max: " + ", ".join(shown)
 
     def line(self, version: int) -> str:
         v = self.versions[version]
@@ -268,7 +319,8 @@ class Summary:
             rate = f", {(n - 1) / (self.last - self.first):.1f} publishes/s"
         complete = sum(1 for v in self.versions.values() if v.expected <= set(v.acks))
         acked = f"{complete} fully acked" if self.acks_visible else "acks not visible without a tap"
+        lags = self.lag_line()
         return (
             f"{n} versions seen ({acked}){rate}, {self.gaps} sequence gaps, "
-            f"{self.invalid} invalid frames"
+            f"{self.invalid} invalid frames" + (f"; {lags}" if lags else "")
         )

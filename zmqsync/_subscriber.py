@@ -45,10 +45,9 @@ import threading
 import time
 import types
 import warnings
-import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from typing import Any
 
 import torch
 import zmq
@@ -81,16 +80,13 @@ from ._reference_follower import ReferenceFollower, can_take
 from ._security import CurveClient, found_keys
 from ._subscriber_agent import Agent, Port, Waiters
 from ._text import printable
+from ._weakly import weakly, weakly_1
 from ._worker_state import WorkerState
 
 __all__ = ["Reading", "Subscriber"]
 
 log = logging.getLogger(__name__)
 _APPLY_ATTEMPTS = 100
-_P = ParamSpec("_P")
-_A = TypeVar("_A")
-_R = TypeVar("_R")
-_S = TypeVar("_S")
 
 
 @dataclass
@@ -273,11 +269,16 @@ class Subscriber:
         return self._state.version
 
     @property
+    def lag(self) -> int:
+        """Versions written after the one applied (the header names the newest one)."""
+        mine = self._state.version if self._version_bus_id == self._bus_id else -1
+        return max(0, latest[0] - mine) if (latest := self._latest()) else 0
+
+    @property
     def counters(self) -> dict[str, int]:
-        """What this worker counted: ``applied`` (versions applied), ``native`` (how many
-        of them the native follower took), ``rejected``, ``foreign`` and ``gaps`` (the
-        Link's), ``apply_us_*`` (how long the others took, see `_histogram`). A snapshot:
-        a new dict on every read."""
+        """A new dict of what this worker counted: ``applied`` (versions applied), ``native``
+        (by the native follower), ``rejected``, ``foreign``, ``gaps`` (the Link's) and
+        ``apply_us_*`` (how long the others took, see `_histogram`)."""
         state = self._state
         return {"applied": state.applied, "native": state.native, **self._counts}
 
@@ -459,19 +460,19 @@ class Subscriber:
             address=self.address,
             secure=self._secure,
             timeout=self._timeout,
-            transport=_weakly(self, Subscriber._initial_transport),
-            adopt=_weakly(self, Subscriber._adopt),
-            latest=_weakly(self, Subscriber._latest),
-            join=_weakly(self, Subscriber._join),
+            transport=weakly(self, Subscriber._initial_transport),
+            adopt=weakly(self, Subscriber._adopt),
+            latest=weakly(self, Subscriber._latest),
+            join=weakly(self, Subscriber._join),
             # background: straight to the apply (it drops a stale offer itself)
-            offer=_weakly_1(
+            offer=weakly_1(
                 self, Subscriber._apply_offer if self.apply == "background" else Subscriber._offer
             ),
-            version=_weakly(self, Subscriber._current_version),
-            fail=_weakly(self, Subscriber._fail),
-            notify=_weakly(self, Subscriber._notify),
+            version=weakly(self, Subscriber._current_version),
+            fail=weakly(self, Subscriber._fail),
+            notify=weakly(self, Subscriber._notify),
             waiters=self._waiters,
-            follow=_weakly(self, Subscriber._follower)
+            follow=weakly(self, Subscriber._follower)
             if self.apply == "background" and self._on_update is None
             else None,
         )
@@ -769,31 +770,3 @@ class Subscriber:
 def _synchronize(devices: tuple[torch.device, ...]) -> None:
     for device in devices:
         torch.cuda.synchronize(device)
-
-
-def _weakly(obj: _S, method: Callable[Concatenate[_S, _P], _R]) -> Callable[_P, _R]:
-    """``obj.method`` without keeping `obj` alive: once it is collected, a call raises
-    ReferenceError (as a `weakref.proxy` would)."""
-    ref = weakref.ref(obj)
-
-    def call(*args: _P.args, **kwargs: _P.kwargs) -> _R:
-        target = ref()
-        if target is None:
-            raise ReferenceError("the Subscriber was collected")
-        return method(target, *args, **kwargs)
-
-    return call
-
-
-def _weakly_1(obj: _S, method: Callable[[_S, _A], _R]) -> Callable[[_A], _R]:
-    """`_weakly` for a method of one argument, passed without packing it in a tuple:
-    the apply runs once per version, and ``*args`` cost it ~0.1 us."""
-    ref = weakref.ref(obj)
-
-    def call(arg: _A) -> _R:
-        target = ref()
-        if target is None:
-            raise ReferenceError("the Subscriber was collected")
-        return method(target, arg)
-
-    return call

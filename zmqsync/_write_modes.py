@@ -77,6 +77,14 @@ class Mode:
     def slot_count(self, asked: int) -> int:
         return asked
 
+    def lag_room(self, slots: int, alias: bool) -> int | None:
+        """The largest ``max_lag`` under which the next publish still finds a free slot at
+        once (None: any). A worker `k` versions behind may be reading any of the `k`
+        versions after the one it applied, and an alias worker also pins that one: the
+        oldest slot is free only if ``k <= slots - 1`` (``slots - 2`` with alias workers).
+        """
+        return max(0, slots - 1 - alias)
+
     def start(self, name: str, slots: Slots, stack: contextlib.ExitStack) -> None:
         """Write version 0 into slot 0, before the bus opens (`stack` undoes on close
         what needs undoing)."""
@@ -286,6 +294,9 @@ class LiveWrites(Mode):
 
     def slot_count(self, asked: int) -> int:
         return 1  # the trainer's tensors are slot 0
+
+    def lag_room(self, slots: int, alias: bool) -> int | None:
+        return None  # slot 0 is the trainer's tensors, rewritten in place: none to wait for
 
     def start(self, name: str, slots: Slots, stack: contextlib.ExitStack) -> None:
         super().start(name, slots, stack)

@@ -39,7 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Print the bus's state (and its relay tree, if any)."""
-    from .._inspect_view import print_relays, print_state
+    from .._inspect_view import lag_of, print_relays, print_state
     from .._protocol import to_plain
 
     address = bus_address(args)
@@ -50,6 +50,8 @@ def run(args: argparse.Namespace) -> int:
         plain = to_plain(reply)
         for buf in plain["buffers"]:
             buf.pop("handle")  # IPC handle bytes are for subscribers, not for screens
+        for worker in plain["workers"]:  # as the table shows it; None before its first ack
+            worker["lag"] = lag_of(reply, worker["version"])
         if relays is not None:
             plain["relays"] = relays
         plain["access"] = access

@@ -104,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
             records = sniffer.records(Deadline(args.duration), stop)
             summary = Summary(
                 {w.worker_id for w in state.workers}, acks_visible=not sniffer.fallback
-            )
+            ).seed(state)
         recording = stack.enter_context(open(args.record, "wb")) if args.record else None
         stack.enter_context(_signals_set(stop))  # from here on a signal ends the loop
         shown = 0
@@ -120,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
                 print(json.dumps(to_json(record), ensure_ascii=True), flush=True)
             else:
                 out.print(to_line(record, colour=True))
-                if done:  # names the missing workers: peer text
+                if done:  # names the missing (or lagging) workers: peer text
                     out.print(f"[bold]  {escape(printable(done, limit=LINE_LIMIT))}[/]")
             shown += 1
             if args.count and shown >= args.count:

@@ -55,7 +55,7 @@ from typing import Any
 
 from torch import nn
 
-from .._config import check_name, default_address, default_worker_id
+from .._config import DEFAULT, check_name, default_address, default_worker_id
 from .._config import shm_dir as resolve_shm_dir
 from .._publisher import Publish, Publisher, check_options
 from .._subscriber import Subscriber
@@ -65,7 +65,10 @@ try:
     from tensordict import TensorDictBase
     from torchrl.envs.llm.transforms import PolicyVersion
     from torchrl.weight_update.utils import _resolve_model
-    from torchrl.weight_update.weight_sync_schemes import WeightSyncScheme
+    from torchrl.weight_update.weight_sync_schemes import (
+        WeightSyncScheme,
+        register_weight_sync_backend,
+    )
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError(
         "zmqsync.integrations.torchrl needs torchrl (>= 0.14): pip install 'zmqsync[torchrl]'"
@@ -91,6 +94,10 @@ log = logging.getLogger(__name__)
 # Senders a forked child inherited from its parent. They belong to the parent: closing
 # them here would unlink the parent's segment, so they are kept alive, never closed.
 _INHERITED_SENDERS: list[_Sender] = []
+
+# How long a rollout's start waits for a version the publisher wrote but whose RECEIVE has
+# not reached this worker yet (normally well under a millisecond).
+_SAFE_POINT_WAIT_S = 1.0
 
 
 def _check_bus_options(bus: Mapping[str, Any]) -> None:
@@ -127,6 +134,11 @@ class ZmqWeightSyncScheme(WeightSyncScheme):  # type: ignore[misc]
             version. None: True with apply="background", False with "manual" (a manual
             worker applies at its next rollout, which a sync collector starts only after
             the update returns).
+        max_lag: bounded staleness (instead of `sync`): ``update_policy_weights_()``
+            returns once every worker applied at least the version ``max_lag`` before the
+            one it publishes (``Publisher.publish(max_lag=)``; 0 is ``sync=True``, None
+            ``sync=False``). A copying bus needs ``slots >= max_lag + 1`` (checked when
+            the sender starts); a live bus has no such limit.
         attach: the bus is published elsewhere (by a trainer's scheme or a
             `zmqsync.Publisher` named `name`): a collector given this scheme starts no
             bus; its workers join that one, and its ``update_policy_weights_()`` does
@@ -159,6 +171,7 @@ class ZmqWeightSyncScheme(WeightSyncScheme):  # type: ignore[misc]
         mode: str | None = None,
         apply: str = "background",
         sync: bool | None = None,
+        max_lag: int | None = DEFAULT,
         attach: bool = False,
         worker_id: str | None = None,
         strategy: str = "tensordict",
@@ -208,7 +221,7 @@ class ZmqWeightSyncScheme(WeightSyncScheme):  # type: ignore[misc]
         self._live = bool(live)
         self.per_worker_weights = per_worker_weights
         self._apply = apply
-        self._sync = apply == "background" if sync is None else bool(sync)
+        self._max_lag = _resolve_lag(apply, sync, max_lag)
         self._bus = {k: v for k, v in bus.items() if k != "writes"}
         self._writes = bus.get("writes", Copy())
         self._timeout = bus.get("timeout", 10.0)
@@ -242,6 +255,18 @@ class ZmqWeightSyncScheme(WeightSyncScheme):  # type: ignore[misc]
     def live(self) -> bool:
         """Whether the bus is live (the trainer's tensors are the shared buffer)."""
         return self._live
+
+    @property
+    def max_lag(self) -> int | None:
+        """The bound ``update_policy_weights_()`` waits for (0: every worker applied the
+        version; None: it does not wait)."""
+        return self._max_lag
+
+    @property
+    def sync(self) -> bool:
+        """Whether ``update_policy_weights_()`` waits until every worker applied the
+        version (torchrl's schemes name this ``sync``; here it is ``max_lag == 0``)."""
+        return self._max_lag == 0
 
     @property
     def subscriber(self) -> Subscriber | None:
@@ -320,6 +345,16 @@ class ZmqWeightSyncScheme(WeightSyncScheme):  # type: ignore[misc]
             self._address = self._sender.publisher.address
         self._sync_tracker(0)
 
+    def _check_lag(self, publisher: Publisher) -> None:
+        """Refuse, where the bus starts, a bound its slots cannot hold (not at the first
+        ``update_policy_weights_()``)."""
+        allowed, lag = publisher.max_lag_allowed, self._max_lag
+        if lag is not None and allowed is not None and lag > allowed:
+            raise ValueError(
+                f"max_lag={lag} needs slots >= {lag + 1} on bus {publisher.name!r} (it has "
+                f"{allowed + 1}): pass slots={lag + 1} to ZmqWeightSyncScheme"
+            )
+
     def _sources(self, context: Any, model: Any, weights: Any, params_map: Any) -> tuple[Any, bool]:
         """What the buses publish: one source, or ``{worker_idx: source}``; and whether
         torchrl would share it with the workers (the collector's own policy, or weights
@@ -378,6 +413,7 @@ class ZmqWeightSyncScheme(WeightSyncScheme):  # type: ignore[misc]
             shm_dir=self._shm_dir,
             **self._bus,
         )
+        self._check_lag(publisher)
         sender = _Sender(source, publisher)
         # torchrl never shuts a scheme down: its buses close when it is collected
         self._closers.append(weakref.finalize(self, _close_sender, sender))
@@ -388,10 +424,11 @@ class ZmqWeightSyncScheme(WeightSyncScheme):  # type: ignore[misc]
     ) -> None:
         """Workers fetch the current version when they join; explicit weights are published."""
         if weights is not None:
-            self._send(weights, None, wait=False)
+            self._send(weights, None, max_lag=None)
 
     def send(self, weights: Any = None, worker_ids: Any = None) -> None:
-        """Publish a new version; with ``sync`` wait until every worker applied it.
+        """Publish a new version; with ``sync`` wait until every worker applied it (with
+        ``max_lag=k``, until none is more than k versions behind it).
 
         Args:
             weights: None (re-read the model the bus was started over), a module, a
@@ -409,24 +446,24 @@ class ZmqWeightSyncScheme(WeightSyncScheme):  # type: ignore[misc]
         if self._attach_only:
             log.debug("update_policy_weights_() on an attached bus: the trainer publishes")
             return
-        self._send(weights, worker_ids, wait=self._sync)
+        self._send(weights, worker_ids, max_lag=self._max_lag)
 
-    def _send(self, weights: Any, worker_ids: Any, *, wait: bool) -> None:
+    def _send(self, weights: Any, worker_ids: Any, *, max_lag: int | None) -> None:
         if isinstance(weights, str):
             weights = _resolve_model(self.context, weights)
         if self._worker_senders:
-            self._publishper_worker(weights, worker_ids, wait=wait)
+            self._publishper_worker(weights, worker_ids, max_lag=max_lag)
         elif per_worker(weights):
             if len({id(w) for w in weights.values()}) > 1:
                 raise ValueError(
                     "weights for each worker ({worker_idx: weights}) need a scheme with "
                     "per_worker_weights=True (or distinct policy factories)"
                 )
-            self._publish(next(iter(weights.values())), worker_ids, wait=wait)
+            self._publish(next(iter(weights.values())), worker_ids, max_lag=max_lag)
         else:
-            self._publish(weights, worker_ids, wait=wait)
+            self._publish(weights, worker_ids, max_lag=max_lag)
 
-    def _publishper_worker(self, weights: Any, worker_ids: Any, *, wait: bool) -> None:
+    def _publishper_worker(self, weights: Any, worker_ids: Any, *, max_lag: int | None) -> None:
         """Publish on each worker's bus: its own weights, or the same to every one."""
         if per_worker(weights):
             plan = {int(i): payload(w) for i, w in weights.items()}
@@ -440,11 +477,11 @@ class ZmqWeightSyncScheme(WeightSyncScheme):  # type: ignore[misc]
         if unknown:
             raise ValueError(f"no torchrl worker {unknown} on this scheme's buses")
         handles = [
-            self._worker_senders[i].publish(w, workers=None, wait=False) for i, w in plan.items()
+            self._worker_senders[i].publish(w, workers=None, max_lag=None) for i, w in plan.items()
         ]
-        if wait:  # one deadline each, all running at once
+        if max_lag is not None:  # one deadline each, all running at once
             for handle in handles:
-                handle.wait()
+                handle.wait(max_lag=max_lag)
         if handles:
             self.last_publish = handles[-1]
             self._sync_tracker(max(h.version for h in handles))
@@ -457,13 +494,13 @@ class ZmqWeightSyncScheme(WeightSyncScheme):  # type: ignore[misc]
             raise TypeError("worker_ids of a per-worker scheme are torchrl worker indices")
         return ids
 
-    def _publish(self, weights: Any, worker_ids: Any, *, wait: bool) -> Publish:
+    def _publish(self, weights: Any, worker_ids: Any, *, max_lag: int | None) -> Publish:
         if self._sender is None:
             raise RuntimeError("ZmqWeightSyncScheme.send() needs init_on_sender() first")
         publish = self._sender.publish(
             None if weights is None else payload(weights),
             workers=self._targets(worker_ids),
-            wait=wait,
+            max_lag=max_lag,
         )
         self.last_publish = publish
         self._sync_tracker(publish.version)
@@ -688,10 +725,23 @@ class _Sender:
         # A model on another device is staged through a CPU copy: re-read it each time.
         self._staged = None if all_on_cpu(source) else source
 
-    def publish(self, weights: Any, *, workers: list[str] | None, wait: bool) -> Publish:
+    def publish(self, weights: Any, *, workers: list[str] | None, max_lag: int | None) -> Publish:
         if weights is None:
             weights = self._staged
-        return self.publisher.publish(weights, workers=workers, wait=wait)
+        return self.publisher.publish(weights, workers=workers, max_lag=max_lag)
+
+
+def _resolve_lag(apply: str, sync: bool | None, max_lag: int | None) -> int | None:
+    """The bound ``update_policy_weights_()`` waits for, from `sync` or `max_lag`."""
+    if max_lag is DEFAULT:
+        return 0 if (apply == "background" if sync is None else sync) else None
+    if sync is not None and sync != (max_lag is not None):
+        raise ValueError(f"sync={sync} contradicts max_lag={max_lag}: give one of them")
+    if max_lag is not None and (isinstance(max_lag, bool) or not isinstance(max_lag, int)):
+        raise ValueError(f"max_lag must be an int >= 0 or None, not {max_lag!r}")
+    if max_lag is not None and max_lag < 0:
+        raise ValueError(f"max_lag must be an int >= 0 or None, not {max_lag!r}")
+    return max_lag
 
 
 def _close_sender(sender: _Sender) -> None:
@@ -708,7 +758,18 @@ class _SafePoint:
         self.previous = previous
 
     def __call__(self) -> None:
-        if self.scheme.subscriber is not None:
+        sub = self.scheme.subscriber
+        if sub is not None:
             self.scheme.receive()
+            if sub.connected and (lag := sub.lag):
+                # Written (the header names it) but not arrived yet: a worker of a
+                # multi-process collector starts a rollout only when the trainer asks,
+                # and the trainer's update may be waiting, under max_lag, for this version.
+                sub.wait_for_version(sub.version + lag, timeout=_SAFE_POINT_WAIT_S)
         if self.previous is not None:
             self.previous()
+
+
+# ``WeightSyncScheme.from_backend("zmq", **options)`` builds this scheme once this module
+# is imported (torchrl looks backends up by name in its own registry; it has no entry points).
+register_weight_sync_backend("zmq")(ZmqWeightSyncScheme)
