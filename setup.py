@@ -8,12 +8,12 @@ import os
 
 from setuptools import Extension, setup
 
-SOURCES = ["_native.c", "_follower.c", "_gate.c", "_ack_reader.c"]
+SOURCES = ["_native.c", "_cast.c", "_follower.c", "_gate.c", "_ack_reader.c"]
 native = [
     Extension(
         "zmqsync._native",
         [f"zmqsync/{name}" for name in SOURCES],
-        depends=[f"zmqsync/{name}" for name in ("_gate.h", "_libzmq.h", "_msgpack_read.h")],
+        depends=[f"zmqsync/{name}" for name in ("_gate.h", "_libzmq.h", "_msgpack_read.h", "_plan.h")],
         optional=True,
     )
 ]

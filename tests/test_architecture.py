@@ -73,6 +73,7 @@ CORE = (
     "zmqsync._deadline",
     "zmqsync._errors",
     "zmqsync._fast_frames",
+    "zmqsync._flat",
     "zmqsync._follow",
     "zmqsync._handshake_queue",
     "zmqsync._histogram",

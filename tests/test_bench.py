@@ -81,6 +81,7 @@ def test_quick_grid_smoke(tmp_path):
         "vs torchrl",
         "alias memory",
         "late join",
+        "LLM-shaped",
     }
     assert data["machine"]["nproc"] >= 1 and data["machine"]["torch"]
 

@@ -6,7 +6,9 @@ STOPs) goes through each follower, on real sockets, over a real header mapping a
 real `Switch`; after every frame the result of ``next``, the `WorkerState` and the
 model's bytes must be the same for both. The C's rules are mirrored from Python
 (`Link.on_receive`, `Header.read_begin`, `Switch.point_at`, `Subscriber._apply_offer`):
-this is what holds them together.
+this is what holds them together. Copy mode runs its own script through both (a copy
+callable instead of the switch, the seqlock read again after it: a copy the writer
+tore, a copier that declines and a partial version are left to Python).
 
 ZMQSYNC_REQUIRE_NATIVE=1 (as CI sets it) turns a missing extension into a failure here.
 """
@@ -104,7 +106,7 @@ class _Env:
         self.collect.rcvtimeo = 0
         self.opened: list[int] = []
 
-    def follower(self, kind: str) -> Any:
+    def follower(self, kind: str, copy: Any = None) -> Any:
         head, tail = template_pieces(Ack, bus=BUS, worker_id="w-1", session=SESSION)
         common = dict(
             events=self.events,
@@ -115,14 +117,17 @@ class _Env:
             switch=self.switch,
             state=self.state,
             lock=self.lock,
+            copy=copy,
         )
+        if copy is not None:
+            common["switch"] = None
         if kind == "python":
             return ReferenceFollower(
                 bus=BUS, header=self.header, opened=self.opened.append, **common
             )
         native = _native()
         self.gate = native.Gate()
-        pieces, ranges = receive_pattern(BUS)
+        pieces, ranges = receive_pattern(BUS, partial=copy is None)
         return native.Follower(
             libzmq=libzmq_path(),
             pieces=pieces,
@@ -257,3 +262,66 @@ def test_the_native_follower_refuses_a_switch_without_the_attributes_it_uses():
             env.follower("native")
         env.switch = real
         env.follower("native")  # the real one passes
+
+
+def _copy_script() -> list[Step]:
+    """Copy mode: ("decline", slot, version) writes the slot and makes the copier
+    decline once, ("tear-in-copy", slot, version) writes it and makes the writer start
+    on it again while it is copied."""
+    return [
+        (("write", 1, 1), _receive(1, 1, 1, b"")),  # taken: copied, still whole
+        (("write", 2, 2), _receive(2, 2, 2, b"\x01")),  # a partial version: left
+        (None, _receive(2, 2, 2, b"")),  # taken
+        (("tear-in-copy", 0, 3), _receive(3, 3, 0, b"")),  # torn while copied: left
+        (("write", 0, 3), _receive(3, 3, 0, b"")),  # whole again: taken
+        (("decline", 1, 4), _receive(4, 4, 1, b"")),  # the copier cannot: left
+        (None, _receive(4, 4, 1, b"")),  # taken
+        (("write", 1, 5), _receive(5, 5, 1, b"")),  # the same slot again: copied again
+        (None, _receive(7, 6, 2, b"")),  # a gap: left
+        (None, encode(Stop(BUS, 6, SESSION, "evicted"))),  # our STOP: left
+    ]
+
+
+def _run_copy(kind: str) -> list[dict[str, Any]]:
+    with _env(f"copy-{kind}") as env:
+        model = torch.zeros(16)
+        plan: dict[str, Any] = {"decline": False, "tear": None}
+
+        def copy(slot: int) -> bool:
+            if plan["decline"]:
+                plan["decline"] = False
+                return False
+            model.copy_(env.data[slot])
+            if plan["tear"] == slot:  # the writer starts on the slot during the copy
+                env.header.begin_write(slot)
+                plan["tear"] = None
+            return True
+
+        follower = env.follower(kind, copy=copy)
+        out = []
+        for action, frame in _copy_script():
+            if action is not None and action[0] == "decline":
+                env.do(("write", action[1], action[2]))
+                plan["decline"] = True
+            elif action is not None and action[0] == "tear-in-copy":
+                env.do(("write", action[1], action[2]))
+                plan["tear"] = action[1]
+            else:
+                env.do(action)
+            env.data[:, 0] += 1  # what each slot holds moves on: a copy shows when it ran
+            env.feed.send(frame)
+            before = env.state.last_heard
+            got = follower.next(env.state.last_seq, env.state.version, 0.0)
+            snap = env.snapshot(got, before)
+            snap["model"] = model.tolist()
+            out.append(snap)
+        return out
+
+
+def test_both_followers_copy_the_same_versions_in_copy_mode():
+    native, python = _run_copy("native"), _run_copy("python")
+    for i, (frame, n, p) in enumerate(zip(_copy_script(), native, python, strict=True)):
+        assert n == p, (i, frame)
+    taken = [s["got"] for s in python if type(s["got"]) is int]
+    assert taken == [1, 2, 3, 4, 5], "the script takes these versions"
+    assert all(s["held_slot"] is None for s in python), "a copy holds no slot"

@@ -1,7 +1,10 @@
 """Apply a version to what the worker computes with: `copy` into it, or `alias` it.
 
 * copy: the model keeps its own tensors; bytes are copied from the slot (works with
-  torch.compile, CUDA graphs and a model on another device than the buffer).
+  torch.compile, CUDA graphs and a model on another device than the buffer). With
+  ``flat``, the model's CPU tensors are moved once into one private block laid out as a
+  slot (`FlatBlock`; parameters stay the same objects), and a version is one copy of
+  the slot into it, whatever the number of tensors.
 * alias: the model's parameters and buffers become views into the slot (zero-copy;
   switching version is a pointer swap). Parameter objects keep their identity; only
   their ``.data`` changes, so references held elsewhere stay valid. On the CPU the
@@ -12,15 +15,17 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping
 from functools import partial
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch.utils.dlpack import from_dlpack
 
-from ._copy import CopyPlan
+from ._copy import ByteCopies, CopyPlan
 from ._errors import LayoutMismatch
+from ._flat import FlatBlock
 from ._layout import (
     Key,
     Layout,
@@ -29,7 +34,9 @@ from ._layout import (
     torch_dtype,
 )
 
-__all__ = ["Switch", "Target"]
+__all__ = ["Switch", "Target", "slot_views"]
+
+log = logging.getLogger(__name__)
 
 
 class Target:
@@ -42,6 +49,8 @@ class Target:
         mode: str,
         device: str | None,
         view_devices: Mapping[Key, torch.device] | None = None,
+        *,
+        flat: bool = False,
     ) -> None:
         """Bind `model` (or fresh tensors when it is None) to `layout`.
 
@@ -50,17 +59,26 @@ class Target:
                 are read from lives: a GPU for the CUDA transport, else the CPU).
             view_devices: the device of each slot view (default: all on the CPU). In
                 alias mode the model's tensors must already be there.
+            flat: copy mode: move the model's tensors into one block laid out as a slot
+                (see the module doc), where they are all plain CPU tensors of the bus's
+                shapes and dtypes (else they stay, and this is logged). Fresh tensors on
+                the CPU always live in such a block.
         """
         self.mode = mode
         self.model = model
         self._layout = layout
         cpu = torch.device("cpu")
         where = view_devices or {}
-        if model is None:
-            self.tensors: dict[Key, torch.Tensor] = {
-                s.key: torch.zeros(
-                    s.shape, dtype=torch_dtype(s.dtype), device=_home(s.key, mode, device, where)
-                )
+        # copy mode with the tensors in one block: one copy per version (see copy_from)
+        self.flat: FlatBlock | None = None
+        self._flat_plans: dict[int, tuple[Mapping[Key, torch.Tensor], ByteCopies | None]] = {}
+        homes = {s.key: _home(s.key, mode, device, where) for s in layout.specs}
+        if model is None and mode == "copy" and all(h.type == "cpu" for h in homes.values()):
+            self.flat = FlatBlock(layout)
+            self.tensors: dict[Key, torch.Tensor] = dict(self.flat.views)
+        elif model is None:
+            self.tensors = {
+                s.key: torch.zeros(s.shape, dtype=torch_dtype(s.dtype), device=homes[s.key])
                 for s in layout.specs
             }
         else:
@@ -69,6 +87,8 @@ class Target:
                 layout.check(self.tensors, whose="it has", advice=_WORKER_ADVICE)
             except LayoutMismatch as exc:
                 raise LayoutMismatch(f"the model does not match the bus: {exc}") from None
+            if flat and mode == "copy":
+                self._flatten_model()
         # per slot view mapping (kept alive in the tuple, so its id is not reused)
         self._copy_plans: dict[int, tuple[Mapping[Key, torch.Tensor], CopyPlan]] = {}
         self._subset_plans: dict[
@@ -110,11 +130,60 @@ class Target:
         if keys is not None:  # only what changed (a partial publish): planned per subset
             self._copy_subset(views, keys)
             return
+        if self.flat is not None and self._copy_flat(views):
+            return
         plan = self._copy_plans.get(id(views))
         if plan is None or plan[0] is not views or not plan[1].still_valid():
             plan = (views, CopyPlan.of(self.tensors, views))
             self._copy_plans[id(views)] = plan
         plan[1].run()
+
+    def copier(self, views: list[dict[Key, torch.Tensor]]) -> Callable[[int], bool]:
+        """``copy(slot)``: copy slot `slot` of `views` whole (what a follower calls in
+        copy mode); True once copied."""
+
+        def copy(slot: int) -> bool:
+            self.copy_from(views[slot])
+            return True
+
+        return copy
+
+    def _flatten_model(self) -> None:
+        """Move the model's tensors into one block (copy mode, ``flat``): values first,
+        then each parameter's ``.data`` and each buffer or entry set to its view."""
+        why = FlatBlock.refusal(self.tensors, self._layout)
+        if why is not None:
+            log.info("copy mode keeps the model's tensors where they are: %s", why)
+            return
+        block = FlatBlock(self._layout)
+        with torch.no_grad():
+            for key, view in block.views.items():
+                view.copy_(self.tensors[key])
+        params, stores = _binders(self.model, block.views)
+        for param, view in params:
+            param.data = view
+        for store, view in stores:
+            store(view)
+        self.flat, self.tensors = block, dict(block.views)
+
+    def _copy_flat(self, views: Mapping[Key, torch.Tensor]) -> bool:
+        """One copy of the whole slot into the block; False where `views` are not one
+        CPU slot at the layout's offsets, or the block's storage moved (resized through
+        a view): then tensor by tensor, from now on in the second case."""
+        flat = self.flat
+        assert flat is not None
+        plan = self._flat_plans.get(id(views))
+        if plan is None or plan[0] is not views:
+            plan = (views, _slot_copy(flat, views, self._layout))
+            self._flat_plans[id(views)] = plan
+        if plan[1] is None:
+            return False
+        if not flat.in_place():
+            self.flat = None
+            self._flat_plans.clear()
+            return False
+        plan[1].run()
+        return True
 
     def _copy_subset(self, views: Mapping[Key, torch.Tensor], keys: frozenset[Key]) -> None:
         cached = self._subset_plans.get((id(views), keys))
@@ -174,6 +243,7 @@ class Target:
         """Drop what was prepared for the old slot views (they pin the old mapping)."""
         self._copy_plans.clear()
         self._subset_plans.clear()
+        self._flat_plans.clear()
         self._binders.clear()
         if self.switch is not None:
             self.switch.active = False
@@ -182,6 +252,43 @@ class Target:
 
     def weights(self) -> Any:
         return to_tensordict(self.tensors)
+
+
+def slot_views(
+    layout: Layout, cpu: SharedSlots, gpus: Mapping[int, SharedSlots], slot: int
+) -> dict[Key, torch.Tensor]:
+    """Every tensor of `slot`: from its CUDA buffer if mapped, else from the CPU segment."""
+    views = layout.views(cpu.slot(slot))
+    for index, gpu in gpus.items():
+        views.update(layout.views(gpu.slot(slot), index))
+    return views
+
+
+class SharedSlots(Protocol):
+    """A mapped buffer's slots (a CPU segment or a CUDA buffer)."""
+
+    def slot(self, index: int) -> torch.Tensor: ...
+
+
+def _slot_copy(
+    flat: FlatBlock, views: Mapping[Key, torch.Tensor], layout: Layout
+) -> ByteCopies | None:
+    """The copy of the slot `views` cover into `flat`, or None unless every view is a
+    CPU tensor at its offset from one base (the slot's bytes, gaps included)."""
+    specs = layout.specs
+    if not specs:
+        return None
+    base = views[specs[0].key].data_ptr() - specs[0].offset
+    for spec in specs:
+        view = views[spec.key]
+        if view.device.type != "cpu" or view.data_ptr() != base + spec.offset:
+            return None
+    slot = torch.empty(0, dtype=torch.uint8)
+    slot.set_(views[specs[0].key].untyped_storage())
+    start = base - slot.data_ptr()
+    if start < 0 or start + layout.slot_bytes > slot.numel():
+        return None
+    return flat.copies(slot[start : start + layout.slot_bytes], into_slot=False)
 
 
 def _home(key: Key, mode: str, device: str | None, views: Mapping[Key, torch.device]) -> Any:

@@ -59,26 +59,59 @@ __all__ = [
     "make_model",
     "make_plain_model",
     "model_bytes",
+    "model_dtype",
     "model_shapes",
     "read_memory",
 ]
 
 MODEL_ALIGN = 64  # bytes between tensors of a bench model (float32 views need 4)
 MANY_TENSORS = 2000  # the "many small tensors" model: 2,000 tensors of 512 floats
+LLM_LAYERS, LLM_VOCAB = 24, 32000  # the LLM-shaped model: 24 blocks, a 32k vocabulary
+
+
+def model_dtype(kind: str) -> torch.dtype:
+    """The dtype of a bench model's tensors: bf16 for the LLM-shaped one, else float32."""
+    return torch.bfloat16 if kind == "llm" else torch.float32
 
 
 def model_shapes(kind: str, nbytes: int) -> list[tuple[int, ...]]:
-    """Tensor shapes of a bench model of about `nbytes` bytes (float32).
+    """Tensor shapes of a bench model of about `nbytes` bytes (of `model_dtype`).
 
     ``mlp``: four Linear layers (weight h×h, bias h), 8 tensors. ``many``: 2,000 vectors
-    of 512 floats (4 MB in total), the per-tensor overhead case.
+    of 512 floats (4 MB in total), the per-tensor overhead case. ``llm``: a decoder-only
+    transformer as LLaMA lays one out (`_llm_shapes`), in bf16: 219 tensors.
     """
     if kind == "mlp":
         h = max(2, int(math.sqrt(nbytes / 16)))
         return [(h, h), (h,)] * 4
     if kind == "many":
         return [(512,)] * MANY_TENSORS
+    if kind == "llm":
+        return _llm_shapes(nbytes)
     raise ValueError(f"unknown model kind {kind!r}")
+
+
+def _llm_shapes(nbytes: int) -> list[tuple[int, ...]]:
+    """Token embeddings; per block an attention norm, q/k/v/o projections, an MLP norm,
+    gate/up/down projections (hidden 8/3 of the width); a final norm and the output
+    head. The width (a multiple of 64) is the one that brings the bf16 bytes to about
+    `nbytes`: 1 GiB gives width 1280, 558M parameters, 1.04 GiB."""
+    per_width2 = LLM_LAYERS * (4 + 3 * 8 / 3)  # parameters per width squared
+    params = nbytes / 2
+    width = (-2 * LLM_VOCAB + math.sqrt((2 * LLM_VOCAB) ** 2 + 4 * per_width2 * params)) / (
+        2 * per_width2
+    )
+    d = max(64, round(width / 64) * 64)
+    ff = max(64, round(d * 8 / 3 / 64) * 64)
+    shapes: list[tuple[int, ...]] = [(LLM_VOCAB, d)]
+    for _ in range(LLM_LAYERS):
+        shapes += [(d,), (d, d), (d, d), (d, d), (d, d), (d,), (ff, d), (ff, d), (d, ff)]
+    return [*shapes, (d,), (LLM_VOCAB, d)]
+
+
+def element_size(kind: str) -> int:
+    """Bytes per value of a bench model of `kind`."""
+    return torch.empty(0, dtype=model_dtype(kind)).element_size()
 
 
 def _round_up(n: int, to: int) -> int:
@@ -92,13 +125,20 @@ class FlatModel(nn.Module):
     the model holds (``flat.copy_(src)``), without a second allocation per worker.
     """
 
-    def __init__(self, shapes: list[tuple[int, ...]], flat: torch.Tensor, grad: bool) -> None:
+    def __init__(
+        self,
+        shapes: list[tuple[int, ...]],
+        flat: torch.Tensor,
+        grad: bool,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
         super().__init__()
         self.params = nn.ParameterList()
         offset = 0
+        step = torch.empty(0, dtype=dtype).element_size()
         for shape in shapes:
-            n = math.prod(shape) * 4
-            view = flat[offset : offset + n].view(torch.float32).view(shape)
+            n = math.prod(shape) * step
+            view = flat[offset : offset + n].view(dtype).view(shape)
             self.params.append(nn.Parameter(view, requires_grad=grad))
             offset += _round_up(n, MODEL_ALIGN)
 
@@ -106,11 +146,17 @@ class FlatModel(nn.Module):
 class PlainModel(nn.Module):
     """The same parameters, each with its own storage (what a real model looks like)."""
 
-    def __init__(self, shapes: list[tuple[int, ...]], fill: bool, grad: bool) -> None:
+    def __init__(
+        self,
+        shapes: list[tuple[int, ...]],
+        fill: bool,
+        grad: bool,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
         super().__init__()
         self.params = nn.ParameterList()
         for shape in shapes:
-            t = torch.empty(shape)
+            t = torch.empty(shape, dtype=dtype)
             if fill:
                 t.fill_(0.5)
             self.params.append(nn.Parameter(t, requires_grad=grad))
@@ -128,12 +174,13 @@ def make_model(
             a worker's model costs no memory until something writes it.
         grad: requires_grad of the parameters (a trainer's are True).
     """
-    shapes = model_shapes(kind, nbytes)
-    total = sum(_round_up(math.prod(s) * 4, MODEL_ALIGN) for s in shapes)
+    shapes, dtype = model_shapes(kind, nbytes), model_dtype(kind)
+    step = element_size(kind)
+    total = sum(_round_up(math.prod(s) * step, MODEL_ALIGN) for s in shapes)
     flat = torch.empty(total, dtype=torch.uint8)
     if fill:
-        flat.view(torch.float32).fill_(0.5)
-    return FlatModel(shapes, flat, grad), flat
+        flat.view(dtype).fill_(0.5)
+    return FlatModel(shapes, flat, grad, dtype), flat
 
 
 def make_plain_model(kind: str, nbytes: int, *, grad: bool = True) -> PlainModel:
@@ -142,12 +189,12 @@ def make_plain_model(kind: str, nbytes: int, *, grad: bool = True) -> PlainModel
     The naive baseline pickles ``state_dict()``: torch pickles a storage once per tensor
     that views it, so views into one flat buffer would be serialized many times over.
     """
-    return PlainModel(model_shapes(kind, nbytes), fill=True, grad=grad)
+    return PlainModel(model_shapes(kind, nbytes), fill=True, grad=grad, dtype=model_dtype(kind))
 
 
 def model_bytes(kind: str, nbytes: int) -> int:
     """Bytes of the tensors themselves (what a publish moves), padding excluded."""
-    return sum(math.prod(s) * 4 for s in model_shapes(kind, nbytes))
+    return sum(math.prod(s) * element_size(kind) for s in model_shapes(kind, nbytes))
 
 
 # --- memory ---------------------------------------------------------------------------
@@ -343,6 +390,7 @@ class _PoolWorker:
             self.model,
             name=cmd["name"],
             mode=cmd["mode"],
+            flat=bool(cmd.get("flat", False)),
             worker_id=f"bench-{self.index}",
             timeout=cmd["timeout"],
             shm_dir=cmd["shm_dir"],

@@ -111,13 +111,15 @@ def ack_pattern(bus: str) -> tuple[tuple[bytes, ...], tuple[int, int], set[str],
     return pieces, _ACK_VERSION, _IDS_PASSED, _SESSIONS_PASSED
 
 
-def receive_pattern(bus: str) -> tuple[tuple[bytes, ...], tuple[int, ...]]:
+def receive_pattern(bus: str, *, partial: bool = True) -> tuple[tuple[bytes, ...], tuple[int, ...]]:
     """A RECEIVE of `bus` as the publisher writes it, for a native reader: the pieces
     around seq, version, slot and changed (`template_pieces`), and the ranges
     `read_receive` checks (seq, version and slot low and high, changed's longest). A
     frame made of these pieces, with fields in these ranges, is one `read_receive`
-    takes, with the same values; any other frame is left to it."""
-    ranges = (_SEQ_LO, _SEQ_HI, _VERSION_LO, _VERSION_HI, _SLOT_LO, _SLOT_HI, _CHANGED_MAX)
+    takes, with the same values; any other frame is left to it. `partial=False`: only
+    RECEIVEs of whole versions (an empty `changed`), what a copy-mode follower takes."""
+    changed = _CHANGED_MAX if partial else 0
+    ranges = (_SEQ_LO, _SEQ_HI, _VERSION_LO, _VERSION_HI, _SLOT_LO, _SLOT_HI, changed)
     return template_pieces(Receive, bus=bus), ranges
 
 

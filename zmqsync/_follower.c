@@ -5,7 +5,10 @@
  * compares the state they leave after every frame.
  *
  * Alias mode on the CPU, background apply: a version is one RECEIVE read, one seqlock
- * check, one storage pointer swap and one ACK sent. Written in Python, those steps cost
+ * check, one storage pointer swap and one ACK sent. Copy mode (a `copy` callable given):
+ * the pointer swap is a call of `copy(slot)`, the Target's whole-slot copy (one native
+ * call of its plan), and the seqlock is read again after it; a torn copy, or a RECEIVE
+ * naming the tensors that changed (the caller's pattern admits none), goes to Python. Written in Python, those steps cost
  * a worker ~45 us of CPU per version on a machine where every worker's thread comes to
  * its version with cold caches, more than the raw ZeroMQ round trip they sit in; the
  * sum over the workers on the cores is what a publish waits for.
@@ -99,6 +102,7 @@ typedef struct {
     int64_t slots;
     /* the state this updates, all owned by Python objects */
     PyObject *switch_; /* `_apply.Switch`: .model, .holders (list per slot), .at, .active */
+    PyObject *copy;    /* copy mode: copy(slot) -> bool, else NULL (alias mode) */
     PyObject *holders;
     PyObject *swap;    /* torch's storage pointer swap (the switch's `swap`) */
     PyObject *state;   /* the worker's `WorkerState`, written through its slots */
@@ -152,23 +156,58 @@ static void put(PyObject *state, Py_ssize_t offset, PyObject *value)
     Py_XDECREF(old);
 }
 
+/* The fields, once the arguments are checked; `holders` and `swap` (alias mode) are
+ * new references, taken over or released here. The pattern is made by the caller. */
+static int follower_setup(Follower *self, PyObject *events, PyObject *acks,
+                          PyObject *ack_head, PyObject *ack_tail, void *words,
+                          long long first_slot_word, long long slots, PyObject *holders,
+                          PyObject *swap, PyObject *switch_, PyObject *state,
+                          const Py_ssize_t at[6], PyObject *lock, PyObject *gate,
+                          PyObject *error, PyObject *copy)
+{
+    self->words = (const volatile uint64_t *)words + first_slot_word; /* slot 0's words */
+    self->slots = slots;
+    self->holders = holders;
+    self->sockets = PyTuple_Pack(2, events, acks);
+    self->ack_head = Py_NewRef(ack_head);
+    self->ack_tail = Py_NewRef(ack_tail);
+    self->switch_ = Py_NewRef(switch_);
+    self->copy = copy != NULL ? Py_NewRef(copy) : NULL;
+    self->swap = swap;
+    self->state = Py_NewRef(state);
+    self->at_version = at[0];
+    self->at_held = at[1];
+    self->at_last_seq = at[2];
+    self->at_last_heard = at[3];
+    self->at_applied = at[4];
+    self->at_native = at[5];
+    self->lock = Py_NewRef(lock);
+    self->gate = (Gate *)Py_NewRef(gate);
+    self->error = Py_NewRef(error);
+    return self->sockets == NULL ? -1 : 0;
+}
+
 static int follower_init(Follower *self, PyObject *args, PyObject *kwds)
 {
     static char *kw[] = {"libzmq", "events", "acks", "pieces", "ranges", "ack_head",
                          "ack_tail", "header", "header_words", "first_slot_word", "slots",
-                         "switch", "state", "lock", "gate", "error", NULL};
+                         "switch", "state", "lock", "gate", "error", "copy", NULL};
     const char *libzmq;
     PyObject *events, *acks, *pieces, *ranges, *ack_head, *ack_tail, *header;
     long long header_words, first_slot_word, slots;
-    PyObject *switch_, *state, *lock, *gate, *error;
+    PyObject *switch_, *state, *lock, *gate, *error, *copy = Py_None;
     if (self->sockets != NULL) {
         PyErr_SetString(PyExc_RuntimeError, "Follower is set up once");
         return -1;
     }
     if (!PyArg_ParseTupleAndKeywords(
-            args, kwds, "sOOOOSSOLLLOOOO!O:Follower", kw, &libzmq, &events, &acks,
+            args, kwds, "sOOOOSSOLLLOOOO!O|O:Follower", kw, &libzmq, &events, &acks,
             &pieces, &ranges, &ack_head, &ack_tail, &header, &header_words, &first_slot_word,
-            &slots, &switch_, &state, &lock, &GateType, &gate, &error)) {
+            &slots, &switch_, &state, &lock, &GateType, &gate, &error, &copy)) {
+        return -1;
+    }
+    if (copy != Py_None && !PyCallable_Check(copy)) {
+        PyErr_SetString(PyExc_TypeError, "copy: copy(slot) -> bool, or None (alias mode)");
         return -1;
     }
     /* the header's layout is Header's (zmqsync/_buffers/header.py): a slot's seqlock
@@ -206,6 +245,14 @@ static int follower_init(Follower *self, PyObject *args, PyObject *kwds)
         }
         return -1;
     }
+    if (!pattern_from(pieces, ranges, &self->pattern)) { /* released by dealloc */
+        return -1;
+    }
+    if (copy != Py_None) { /* copy mode: no switch to check */
+        return follower_setup(self, events, acks, ack_head, ack_tail, words,
+                              first_slot_word, slots, NULL, NULL, switch_, state, at, lock,
+                              gate, error, copy);
+    }
     PyObject *holders = PyObject_GetAttrString(switch_, "holders");
     if (holders == NULL) {
         return -1;
@@ -240,30 +287,8 @@ static int follower_init(Follower *self, PyObject *args, PyObject *kwds)
         PyErr_SetString(PyExc_ValueError, "switch.holders: a list with one entry per slot");
         return -1;
     }
-    if (!pattern_from(pieces, ranges, &self->pattern)) {
-        Py_DECREF(holders);
-        Py_DECREF(swap);
-        return -1;
-    }
-    self->words = (const volatile uint64_t *)words + first_slot_word; /* slot 0's words */
-    self->slots = slots;
-    self->holders = holders;
-    self->sockets = PyTuple_Pack(2, events, acks);
-    self->ack_head = Py_NewRef(ack_head);
-    self->ack_tail = Py_NewRef(ack_tail);
-    self->switch_ = Py_NewRef(switch_);
-    self->swap = swap;
-    self->state = Py_NewRef(state);
-    self->at_version = at[0];
-    self->at_held = at[1];
-    self->at_last_seq = at[2];
-    self->at_last_heard = at[3];
-    self->at_applied = at[4];
-    self->at_native = at[5];
-    self->lock = Py_NewRef(lock);
-    self->gate = (Gate *)Py_NewRef(gate);
-    self->error = Py_NewRef(error);
-    return self->sockets == NULL ? -1 : 0;
+    return follower_setup(self, events, acks, ack_head, ack_tail, words, first_slot_word,
+                          slots, holders, swap, switch_, state, at, lock, gate, error, NULL);
 }
 
 static int follower_traverse(Follower *self, visitproc visit, void *arg)
@@ -271,6 +296,7 @@ static int follower_traverse(Follower *self, visitproc visit, void *arg)
     Py_VISIT(self->sockets);
     Py_VISIT(self->pattern.pieces);
     Py_VISIT(self->switch_);
+    Py_VISIT(self->copy);
     Py_VISIT(self->holders);
     Py_VISIT(self->swap);
     Py_VISIT(self->state);
@@ -287,6 +313,7 @@ static int follower_clear(Follower *self)
     Py_CLEAR(self->ack_head);
     Py_CLEAR(self->ack_tail);
     Py_CLEAR(self->switch_);
+    Py_CLEAR(self->copy);
     Py_CLEAR(self->holders);
     Py_CLEAR(self->swap);
     Py_CLEAR(self->state);
@@ -405,7 +432,8 @@ static int record(Follower *self, int64_t seq, int64_t version, int64_t slot,
     }
     Py_DECREF(r);
     PyObject *state = self->state;
-    PyObject *held = Py_BuildValue("(LK)", (long long)slot, (unsigned long long)counter);
+    PyObject *held = self->copy != NULL /* a copy holds no slot */
+        ? Py_NewRef(Py_None) : Py_BuildValue("(LK)", (long long)slot, (unsigned long long)counter);
     PyObject *heard = PyFloat_FromDouble(now);
     PyObject *v = PyLong_FromLongLong(version), *s = PyLong_FromLongLong(seq);
     PyObject *applied = plus_one(state, self->at_applied);
@@ -438,6 +466,29 @@ static int record(Follower *self, int64_t seq, int64_t version, int64_t slot,
         return -1;
     }
     return r == NULL ? -1 : rc;
+}
+
+/* Copy mode: copy `slot` into the model as `Subscriber._apply_offer` does (the Target's
+ * whole-slot copy), then check the seqlock again (Header.read_valid). 1: a whole
+ * version was copied, 0: Python must (the copier declined, or the slot was rewritten
+ * meanwhile), -1: an error is set. */
+static int copy_slot(Follower *self, int64_t slot, uint64_t counter)
+{
+    PyObject *slot_number = PyLong_FromLongLong(slot);
+    if (slot_number == NULL) {
+        return -1;
+    }
+    PyObject *r = PyObject_CallOneArg(self->copy, slot_number);
+    Py_DECREF(slot_number);
+    if (r == NULL) {
+        return -1;
+    }
+    int copied = PyObject_IsTrue(r);
+    Py_DECREF(r);
+    if (copied <= 0) {
+        return copied;
+    }
+    return __atomic_load_n(&self->words[2 * (size_t)slot], __ATOMIC_ACQUIRE) == counter;
 }
 
 static int send_ack(Follower *self, int64_t version)
@@ -528,7 +579,8 @@ static PyObject *follower_next(Follower *self, PyObject *const *args, Py_ssize_t
             fast = !(counter & 1)
                 && __atomic_load_n(&self->words[i + 1], __ATOMIC_ACQUIRE) == (uint64_t)f[1];
         }
-        int switched = fast ? point_at(self, f[2]) : 0;
+        int switched = !fast ? 0
+            : self->copy != NULL ? copy_slot(self, f[2], counter) : point_at(self, f[2]);
         if (switched <= 0) {
             PyObject *out = switched < 0
                 ? NULL : PyBytes_FromStringAndSize((const char *)data, (Py_ssize_t)size);
@@ -562,7 +614,8 @@ static PyMethodDef follower_methods[] = {
 
 PyDoc_STRVAR(follower_doc,
 "Follower(*, libzmq, events, acks, pieces, ranges, ack_head, ack_tail, header,\n"
-"         header_words, first_slot_word, slots, switch, state, lock, gate, error)\n--\n\n"
+"         header_words, first_slot_word, slots, switch, state, lock, gate, error,\n"
+"         copy=None)\n--\n\n"
 "A worker's per-version path in C (see `Follower.next`). Built by the Subscriber for\n"
 "one mapping, one pair of sockets and one session; dropped with any of them.");
 

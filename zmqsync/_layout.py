@@ -188,8 +188,21 @@ class ModuleReader:
         self._module = module
         self._keys = {key: key for key in keys}
         self._plan: list[tuple[Key, dict[str, Any], str]] = []
+        self._owners: list[dict[str, Any]] = []  # the plan's owners and names, apart
+        self._names: list[str] = []
         self._generation = -1
         self._walked_at = -math.inf
+
+    def addresses(self) -> list[int] | None:
+        """The data pointers of the tensors `read` would return, in its order, without
+        building its dict (the flat layout's check of a publish: one C-level pass);
+        None when `read` would walk the module again, or an entry is gone."""
+        if self._generation != _structure[0] or time.monotonic() - self._walked_at >= self.REWALK_S:
+            return None
+        try:
+            return list(map(_DATA_PTR, map(dict.__getitem__, self._owners, self._names)))
+        except (KeyError, TypeError):  # gone, or None: `read` walks again
+            return None
 
     def read(self) -> dict[Key, torch.Tensor]:
         now = time.monotonic()
@@ -202,10 +215,15 @@ class ModuleReader:
                 return flat
         self._generation = _structure[0]
         self._plan = [(self._keys.get(k, k), o, n) for k, o, n in _module_plan(self._module)]
+        self._owners = [owner for _, owner, _ in self._plan]
+        self._names = [name for _, _, name in self._plan]
         self._walked_at = now
         if not self._plan:
             raise ValueError("weights hold no tensors: nothing to publish")
         return {key: owner[name] for key, owner, name in self._plan}
+
+
+_DATA_PTR: Callable[[torch.Tensor], int] = torch.Tensor.data_ptr
 
 
 def _is_tensordict(obj: Any) -> bool:

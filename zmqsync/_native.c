@@ -1,5 +1,6 @@
 /* zmqsync._native: copy many byte ranges in one call, on one thread or a few (the
- * worker's per-version path, Follower, is in _follower.c).
+ * worker's per-version path, Follower, is in _follower.c; the publisher's bf16 casts,
+ * which run their plans on the same threads, in _cast.c).
  *
  * A version of a model with thousands of tensors is thousands of small copies. Done one
  * by one from Python (a memoryview assignment each), the interpreter's ~130 ns per copy
@@ -24,15 +25,18 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "_plan.h"
+
 #define CHUNK_BYTES ((uint64_t)512 * 1024)
-#define MAX_THREADS 64
 
 typedef struct {
-    const char *words; /* the plan: (destination, source, byte count) uint64 triples */
+    const char *words; /* the plan: (destination, source, unit count) uint64 triples */
     size_t triples;
-    uint64_t *ends;    /* bytes of the plan up to the end of each triple */
-    uint64_t total;    /* bytes in the plan */
-    size_t chunks;     /* CHUNK_BYTES pieces of the plan's bytes, in plan order */
+    zs_span_fn span;   /* what one piece of a triple takes */
+    uint64_t chunk;    /* units per chunk */
+    uint64_t *ends;    /* units of the plan up to the end of each triple */
+    uint64_t total;    /* units in the plan */
+    size_t chunks;     /* `chunk`-unit pieces of the plan, in plan order */
     size_t next;       /* the next chunk to take (atomic) */
     size_t done;       /* chunks copied (under mu) */
     int refs;          /* threads still using this record (under mu) */
@@ -45,19 +49,24 @@ static void triple_at(const char *words, size_t i, uint64_t triple[3])
     memcpy(triple, words + i * 3 * sizeof(uint64_t), 3 * sizeof(uint64_t)); /* any alignment */
 }
 
-/* Copy every triple of the plan, in order. */
-static void copy_all(const char *words, size_t triples)
+/* Run every triple of the plan, whole, in order. */
+static void run_all(const char *words, size_t triples, zs_span_fn span)
 {
     for (size_t i = 0; i < triples; i++) {
         uint64_t t[3];
         triple_at(words, i, t);
-        memmove((void *)(uintptr_t)t[0], (const void *)(uintptr_t)t[1], (size_t)t[2]);
+        span(t[0], t[1], 0, t[2]);
     }
 }
 
-/* Copy the plan's bytes [lo, hi), counted along the plan in order. A binary search finds
+static void copy_bytes(uint64_t dst, uint64_t src, uint64_t at, uint64_t n)
+{
+    memmove((char *)(uintptr_t)dst + at, (const char *)(uintptr_t)src + at, (size_t)n);
+}
+
+/* Run the plan's units [lo, hi), counted along the plan in order. A binary search finds
  * the first triple: a plan of many small tensors is walked once per piece otherwise. */
-static void copy_span(const Job *job, uint64_t lo, uint64_t hi)
+static void run_span(const Job *job, uint64_t lo, uint64_t hi)
 {
     size_t first = 0, last = job->triples;
     while (first < last) { /* the first triple that ends after lo */
@@ -76,8 +85,7 @@ static void copy_span(const Job *job, uint64_t lo, uint64_t hi)
             return;
         }
         const uint64_t from = start > lo ? start : lo, to = end < hi ? end : hi;
-        memmove((char *)(uintptr_t)t[0] + (from - start),
-                (const char *)(uintptr_t)t[1] + (from - start), (size_t)(to - from));
+        job->span(t[0], t[1], from - start, to - from);
     }
 }
 
@@ -88,9 +96,9 @@ static void take_chunks(Job *job)
         if (k >= job->chunks) {
             return;
         }
-        const uint64_t lo = (uint64_t)k * CHUNK_BYTES;
-        const uint64_t hi = lo + CHUNK_BYTES < job->total ? lo + CHUNK_BYTES : job->total;
-        copy_span(job, lo, hi);
+        const uint64_t lo = (uint64_t)k * job->chunk;
+        const uint64_t hi = lo + job->chunk < job->total ? lo + job->chunk : job->total;
+        run_span(job, lo, hi);
         pthread_mutex_lock(&job->mu); /* also orders the bytes before the caller's return */
         if (++job->done == job->chunks) {
             pthread_cond_signal(&job->all_done);
@@ -119,10 +127,15 @@ static void *helper(void *arg)
     return NULL;
 }
 
-/* Copy the plan on `threads` threads (this one and threads - 1 helpers); a plan of one
+/* Run the plan on `threads` threads (this one and threads - 1 helpers); a plan of one
  * chunk or less on this thread alone. */
-static void copy_shared(const char *words, size_t triples, int threads)
+void zs_run_plan(const char *words, size_t triples, int threads, zs_span_fn span,
+                 uint64_t chunk)
 {
+    if (threads <= 1) {
+        run_all(words, triples, span);
+        return;
+    }
     uint64_t *ends = triples ? malloc(triples * sizeof(uint64_t)) : NULL;
     uint64_t total = 0;
     for (size_t i = 0; ends != NULL && i < triples; i++) {
@@ -131,19 +144,21 @@ static void copy_shared(const char *words, size_t triples, int threads)
         total += t[2];
         ends[i] = total;
     }
-    Job *job = total > CHUNK_BYTES ? calloc(1, sizeof(Job)) : NULL;
+    Job *job = total > chunk ? calloc(1, sizeof(Job)) : NULL;
     if (job == NULL || pthread_mutex_init(&job->mu, NULL) != 0) {
         free(ends); /* too small to share, or no memory for the shared record */
         free(job);
-        copy_all(words, triples);
+        run_all(words, triples, span);
         return;
     }
     job->ends = ends;
+    job->span = span;
+    job->chunk = chunk;
     pthread_cond_init(&job->all_done, NULL);
     job->words = words;
     job->triples = triples;
     job->total = total;
-    job->chunks = (size_t)((total + CHUNK_BYTES - 1) / CHUNK_BYTES);
+    job->chunks = (size_t)((total + chunk - 1) / chunk);
     job->refs = 1;
     pthread_attr_t attr;
     pthread_attr_init(&attr);
@@ -183,9 +198,9 @@ static PyObject *copy_many(PyObject *self, PyObject *args)
     if (!PyArg_ParseTuple(args, "O|i:copy_many", &plan, &threads)) {
         return NULL;
     }
-    if (threads < 1 || threads > MAX_THREADS) {
+    if (threads < 1 || threads > ZS_MAX_THREADS) {
         PyErr_Format(PyExc_ValueError, "copy_many: threads must be 1 to %d, not %d",
-                     MAX_THREADS, threads);
+                     ZS_MAX_THREADS, threads);
         return NULL;
     }
     Py_buffer view;
@@ -200,11 +215,7 @@ static PyObject *copy_many(PyObject *self, PyObject *args)
     const size_t triples = (size_t)view.len / (3 * sizeof(uint64_t));
     const char *words = (const char *)view.buf;
     Py_BEGIN_ALLOW_THREADS
-    if (threads > 1) {
-        copy_shared(words, triples, threads);
-    } else {
-        copy_all(words, triples);
-    }
+    zs_run_plan(words, triples, threads, copy_bytes, CHUNK_BYTES);
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&view);
     Py_RETURN_NONE;
@@ -218,9 +229,15 @@ extern const char zs_match_receive_doc[], zs_pack_int_doc[];
 int zs_add_follower(PyObject *module);
 int zs_add_gate(PyObject *module);
 int zs_add_ack_reader(PyObject *module);
+/* _cast.c: the publisher's float32 -> bf16 casts */
+PyObject *zs_cast_bf16(PyObject *self, PyObject *args);
+PyObject *zs_cast_isas(PyObject *self, PyObject *unused);
+extern const char zs_cast_bf16_doc[], zs_cast_isas_doc[];
 
 static PyMethodDef methods[] = {
     {"copy_many", copy_many, METH_VARARGS, copy_many_doc},
+    {"cast_bf16", zs_cast_bf16, METH_VARARGS, zs_cast_bf16_doc},
+    {"cast_isas", zs_cast_isas, METH_NOARGS, zs_cast_isas_doc},
     {"match_receive", zs_match_receive, METH_VARARGS, zs_match_receive_doc},
     {"pack_int", zs_pack_int, METH_O, zs_pack_int_doc},
     {NULL, NULL, 0, NULL},

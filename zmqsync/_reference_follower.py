@@ -5,7 +5,8 @@
 `WorkerState` under the same lock (but for the ``native`` counter, which counts the
 versions the C took). It takes the next RECEIVE of the bus when the Link's
 rule (`Link.on_receive`), the slot's seqlock (`Header.read_begin`) and the switch
-(`Switch.point_at`, with the slot's holder already built) allow it, records it as
+(`Switch.point_at`, with the slot's holder already built; in copy mode the Target's
+whole-slot copy and the seqlock read again) allow it, records it as
 `Subscriber._apply_offer` does, ACKs it and opens the waiters; anything else goes back
 to the caller as the frame's bytes. tests/test_twin.py runs one frame stream through
 both followers and compares the state after every frame.
@@ -36,6 +37,7 @@ __all__ = ["ReferenceFollower", "can_take"]
 def can_take(
     switch: Switch | None,
     *,
+    copying: bool = False,
     mapped: bool,
     syncs_devices: bool,
     bus_id: str,
@@ -44,13 +46,12 @@ def can_take(
     session: str,
 ) -> bool:
     """Whether a follower may take the versions that follow, now: the model is aliased
-    on the CPU through a live `Switch` (a version is one pointer swap), the buffers are
-    mapped, no GPU must be synchronised, and a version of the mapped bus was applied on
-    the session the Link holds. The one place this is decided, for both followers."""
+    on the CPU through a live `Switch` (a version is one pointer swap) or, `copying`, a
+    copy-mode model is copied into, the buffers are mapped, no GPU must be synchronised,
+    and a version of the mapped bus was applied on the session the Link holds. The one
+    place this is decided, for both followers."""
     return (
-        switch is not None
-        and switch.active
-        and switch.swap is not None
+        (copying or (switch is not None and switch.active and switch.swap is not None))
         and mapped
         and not syncs_devices
         and bool(bus_id)
@@ -71,11 +72,13 @@ class ReferenceFollower:
         ack_tail: an ACK's bytes after its version.
         header: the mapped segment's header.
         slots: how many slots the bus has.
-        switch: the model's `Switch`.
+        switch: the model's `Switch` (None in copy mode).
         state: the worker's state, which this writes.
         lock: the Subscriber's lock, under which both followers record.
         opened: wakes the threads waiting for a version (a `Gate`'s open, or the
             waiters' wake).
+        copy: copy mode: ``copy(slot)`` copies the whole slot into the model (False:
+            it cannot, the Python way must); None in alias mode.
     """
 
     def __init__(
@@ -88,15 +91,17 @@ class ReferenceFollower:
         ack_tail: bytes,
         header: Header,
         slots: int,
-        switch: Switch,
+        switch: Switch | None,
         state: WorkerState,
         lock: threading.RLock | threading.Lock,
         opened: Callable[[int], Any],
+        copy: Callable[[int], bool] | None = None,
     ) -> None:
         self.events, self.acks, self.bus = events, acks, bus
         self.ack_head, self.ack_tail = ack_head, ack_tail
         self.header, self.slots, self.switch = header, slots, switch
         self.state, self.lock, self.opened = state, lock, opened
+        self.copy = copy
 
     def next(
         self, last_seq: int, version: int, next_tick: float
@@ -137,27 +142,40 @@ class ReferenceFollower:
         fields = read_receive(frame, self.bus)
         if fields is None:
             return None
-        seq, new, slot, _changed = fields
+        seq, new, slot, changed = fields
         if seq != last_seq + 1 or new <= version or slot >= self.slots:
             return None
         counter = self.header.read_begin(slot, new)
-        switch = self.switch
-        if counter is None or not switch.active or not 0 <= switch.at < self.slots:
+        if counter is None:
             return None
-        if slot != switch.at and (
-            len(switch.holders) != self.slots or switch.holders[slot] is None
-        ):
-            return None  # its holder is not built yet: the Python way builds it
-        switch.point_at(slot, {})
+        held: tuple[int, int] | None = (slot, counter)
+        if self.copy is not None:  # copy mode: whole versions, copied and still whole
+            if changed or not self.copy(slot) or not self.header.read_valid(slot, counter):
+                return None
+            held = None
+        elif not self._switch(slot):
+            return None
         now = time.monotonic()
         state = self.state
         with self.lock:  # as Subscriber._apply_offer records, and Link.on_receive
-            state.held = (slot, counter)
+            state.held = held
             state.version = new
             state.applied += 1  # `native` counts the C twin's alone
             state.last_seq = seq
             state.last_heard = now
         return seq, new
+
+    def _switch(self, slot: int) -> bool:
+        """Alias mode: point the model at `slot` if its holder is built (else False)."""
+        switch = self.switch
+        if switch is None or not switch.active or not 0 <= switch.at < self.slots:
+            return False
+        if slot != switch.at and (
+            len(switch.holders) != self.slots or switch.holders[slot] is None
+        ):
+            return False  # its holder is not built yet: the Python way builds it
+        switch.point_at(slot, {})
+        return True
 
     def _ack(self, version: int) -> bool:
         frame = self.ack_head + msgpack.packb(version) + self.ack_tail

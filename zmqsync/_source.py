@@ -60,13 +60,22 @@ class Source:
         self._key_of: dict[str | Key, Key] = {spec.key: spec.key for spec in self.layout.specs}
         self._key_of.update({spec.name: spec.key for spec in self.layout.specs})
 
+    def addresses(self) -> list[int] | None:
+        """The data pointers of the module's tensors in layout order, read without a
+        dict (`ModuleReader.addresses`); None for other weights, or when they must be
+        read again."""
+        return self._reader.addresses() if self._reader is not None else None
+
+    def reread(self, weights: Any = None) -> dict[Key, torch.Tensor]:
+        """The tensors to publish, unchecked: `weights`, or the source re-read."""
+        if weights is None and self._reader is not None:
+            return self._reader.read()
+        return flatten(self.weights if weights is None else weights, detach=False)
+
     def read(self, weights: Any, named: frozenset[Key] | None) -> dict[Key, torch.Tensor]:
         """The tensors to publish: `weights`, or the source re-read; checked (a partial
         publish checks only the tensors it names)."""
-        if weights is None and self._reader is not None:
-            flat = self._reader.read()
-        else:
-            flat = flatten(self.weights if weights is None else weights, detach=False)
+        flat = self.reread(weights)
         if named is None:
             self.layout.check(flat)
         else:

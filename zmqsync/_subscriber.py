@@ -53,7 +53,7 @@ import torch
 import zmq
 
 from . import _config, _lifecycle
-from ._apply import Target
+from ._apply import Target, slot_views
 from ._buffers import CpuAttachment, CudaAttachment
 from ._buffers import cuda as _cuda
 from ._buffers.header import FIRST_SLOT_WORD, HEADER_BYTES
@@ -119,6 +119,8 @@ class Subscriber:
             of an ipc:// control socket, else this process's uid. Set it for a tcp:// bus
             whose publisher runs as another uid of a shared group (see ``group=``): a
             segment another user owns could be truncated under the mapping (SIGBUS).
+        flat: copy mode: the model's CPU tensors move into one block laid out as a slot
+            (Parameters stay the same objects): a version is one copy (see `_flat`).
     """
 
     def __init__(
@@ -136,6 +138,7 @@ class Subscriber:
         shm_dir: str | None = None,
         curve: CurveClient | None = None,
         publisher_uid: int | None = None,
+        flat: bool = False,
     ) -> None:
         if mode not in ("copy", "alias"):
             raise ValueError(f'mode must be "copy" or "alias", not {mode!r}')
@@ -146,6 +149,7 @@ class Subscriber:
         self.address = ""
         self.model = model
         self.mode = mode
+        self.flat = flat
         self.apply = apply
         self.worker_id = worker_id or _config.default_worker_id()
         self._device = device
@@ -469,7 +473,7 @@ class Subscriber:
             notify=weakly(self, Subscriber._notify),
             waiters=self._waiters,
             follow=weakly(self, Subscriber._follower)
-            if self.mode == "alias" and self.apply == "background" and self._on_update is None
+            if self.apply == "background" and self._on_update is None
             else None,
         )
 
@@ -569,11 +573,14 @@ class Subscriber:
         with self._apply_lock:
             target, attachment = self._target, self._attachment
             switch = target.switch if target is not None else None
+            copying = self.mode == "copy" and target is not None
             if (
-                switch is None
+                (switch is None and not copying)
+                or target is None
                 or attachment is None
                 or not can_take(
                     switch,
+                    copying=copying,
                     mapped=True,
                     syncs_devices=bool(self._sync_devices),
                     bus_id=self._bus_id,
@@ -587,6 +594,7 @@ class Subscriber:
                 Ack, bus=self._bus_id, worker_id=link.worker_id, session=link.session
             )
             gate = self._waiters.gate
+            copy = target.copier(self._views) if copying else None
             if FOLLOWER is None or gate is None:
                 return ReferenceFollower(
                     events=events,
@@ -600,8 +608,9 @@ class Subscriber:
                     state=self._state,
                     lock=self._lock,
                     opened=self._waiters.wake,
+                    copy=copy,
                 )
-            pieces, ranges = receive_pattern(self._bus_id)
+            pieces, ranges = receive_pattern(self._bus_id, partial=not copying)
             return FOLLOWER(
                 libzmq=libzmq_path(),
                 events=events,
@@ -619,6 +628,7 @@ class Subscriber:
                 lock=self._lock,
                 gate=gate,
                 error=zmq_error,
+                copy=copy,
             )
 
     def _changed(self, bits: bytes) -> frozenset[Key]:
@@ -725,11 +735,11 @@ class Subscriber:
             if forced is None and decision != expected:
                 attachment.close()
                 return decision
-            views = [_slot_views(layout, attachment, gpus, i) for i in range(welcome.slots)]
+            views = [slot_views(layout, attachment, gpus, i) for i in range(welcome.slots)]
             target = self._target
             if target is None or welcome.bus != self._bus_id:
                 where = {key: view.device for key, view in views[0].items()}
-                target = Target(self.model, layout, self.mode, self._device, where)
+                target = Target(self.model, layout, self.mode, self._device, where, flat=self.flat)
         except BaseException:
             attachment.close()
             self._close_unused(gpus.values())
@@ -755,16 +765,6 @@ class Subscriber:
                 level, "subscriber %s reads the CPU buffer: %s", self.worker_id, decision.reason
             )
         return None
-
-
-def _slot_views(
-    layout: Layout, cpu: CpuAttachment, gpus: dict[int, CudaAttachment], slot: int
-) -> dict[Key, torch.Tensor]:
-    """Every tensor of `slot`: from its CUDA buffer if mapped, else from the CPU segment."""
-    views = layout.views(cpu.slot(slot))
-    for index, gpu in gpus.items():
-        views.update(layout.views(gpu.slot(slot), index))
-    return views
 
 
 def _synchronize(devices: tuple[torch.device, ...]) -> None:

@@ -5,7 +5,9 @@ slot, write, announce, wait. The mode decides the first three and when the fourt
 happens; the wait is `AckWait`'s. One class per mode:
 
 * `CopyWrites`: read and check the weights, claim a free slot, copy them in under the
-  seqlock, announce. With `skip_unchanged`, only the tensors that changed.
+  seqlock, announce. With `skip_unchanged`, only the tensors that changed. With `flat`,
+  the trainer's tensors live in one block laid out as a slot (`FlatBlock`): a publish
+  of every tensor checks one address per tensor and copies the block once.
 * `OverlappedWrites`: the same, but what the optimizer writes is copied, and the version
   announced, by a writer thread while the trainer goes on (see `_overlap`).
 * `LiveWrites`: the trainer's tensors are slot 0; a publish announces (and copies only
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -28,14 +31,18 @@ from ._acks import AckWait
 from ._announcer import Announcer
 from ._deadline import Deadline
 from ._errors import ZmqSyncError
+from ._flat import FlatBlock
 from ._layout import Key, flatten
 from ._overlap import Pending, SideStreams, StepGuard, Writer
 from ._slots import Slots
 from ._source import Source, cast_to, trainer_tensors
+from ._text import printable
 from ._unchanged import Unchanged
 from ._writes import Copy, Live, Overlapped, Writes
 
 __all__ = ["Bound", "Landing", "Mode", "build"]
+
+log = logging.getLogger(__name__)
 
 Flat = dict[Key, torch.Tensor]
 Named = frozenset[Key] | None  # the tensors a version changes (None: all of them)
@@ -109,7 +116,11 @@ class Mode:
 
 class CopyWrites(Mode):
     def __init__(
-        self, source: Source, dtype: torch.dtype | None, skip_unchanged: bool | str
+        self,
+        source: Source,
+        dtype: torch.dtype | None,
+        skip_unchanged: bool | str,
+        flat: bool = False,
     ) -> None:
         super().__init__(source)
         if dtype is not None:
@@ -118,15 +129,59 @@ class CopyWrites(Mode):
         self._unchanged: Unchanged | None = None
         self._verify = skip_unchanged == "verify"
         self._skip = bool(skip_unchanged)
+        self._flat = flat
+        self._block: FlatBlock | None = None  # the flat layout's block, while it holds
+        self._whole: Flat | None = None  # the read that the block holds, to write whole
 
     def start(self, name: str, slots: Slots, stack: contextlib.ExitStack) -> None:
         super().start(name, slots, stack)
         if self._skip:
             self._unchanged = Unchanged(name, self._verify)
             self._unchanged.note(flatten(self.source.weights, detach=False), None)
+        if self._flat:
+            self._adopt(name)
+
+    def _adopt(self, name: str) -> None:
+        """The flat layout: the trainer's tensors move into one block (see `FlatBlock`)."""
+        tensors = trainer_tensors(self.source.weights)
+        why = FlatBlock.refusal(tensors, self.layout) if not self.source.cuda_devices else None
+        why = why or ("weights on a GPU" if self.source.cuda_devices else None)
+        if why is not None:
+            log.warning("publisher %r: no flat layout (%s); publishes copy tensor by "
+                        "tensor", name, printable(why))  # fmt: skip
+            return
+        block = FlatBlock(self.layout)
+        block.adopt(tensors)
+        self._block = block
 
     def read(self, weights: Any, named: Named) -> tuple[Flat, Named]:
-        flat = self.source.read(weights, named)
+        self._whole = None
+        block = self._block
+        if block is not None and weights is None and named is None:
+            if self._unchanged is None and block.at(self.source.addresses() or []):
+                self._whole = {}  # the block is the version: nothing else is read
+                return self._whole, None
+            flat = self.source.reread()
+            if block.holds(flat):  # every tensor where adopt put it: the block is the version
+                self._whole = flat
+                return self._read_changed(flat, named)
+            self._leave(block, flat)
+        return self._read_changed(self.source.read(weights, named), named)
+
+    def _leave(self, block: FlatBlock, flat: Flat) -> None:
+        """A tensor left the block: from now on every publish copies tensor by tensor."""
+        moved = block.moved(flat)
+        names = ", ".join(printable(".".join(k)) for k in moved[:5])
+        log.warning(
+            "publisher %r: %d tensors were re-allocated by the trainer and left the flat "
+            "layout (%s%s); publishing tensor by tensor from now on. Update tensors in "
+            "place (load_state_dict without assign=True, copy_) to keep it",
+            self.bound.name, len(moved) or 1, names or "its block moved",
+            ", ..." if len(moved) > 5 else "",
+        )  # fmt: skip
+        self._block = None
+
+    def _read_changed(self, flat: Flat, named: Named) -> tuple[Flat, Named]:
         if self._unchanged is not None and named is None:
             bound = self.bound
 
@@ -141,9 +196,12 @@ class CopyWrites(Mode):
         self, slot: int, version: int, flat: Flat, named: frozenset[Key] | None
     ) -> Pending | None:
         slots, announcer = self.bound.slots, self.bound.announcer
+        block, whole = self._block, self._whole is flat
         with self.bound.write_lock:  # a worker reading the CPU copy joins before or after
             mirror = announcer.needs_mirror()
-            if named is None:
+            if named is None and whole and block is not None:
+                slots.write_block(slot, version, block)
+            elif named is None:
                 slots.write(slot, version, flat, mirror=mirror)
             else:
                 slots.begin(slot)
@@ -368,7 +426,7 @@ class Landing(Writes, Mode):
 def build(writes: Writes, source: Source) -> Mode:
     """The mode a `Writes` option asks for, over `source`."""
     if isinstance(writes, Copy):
-        return CopyWrites(source, writes.dtype, writes.skip_unchanged)
+        return CopyWrites(source, writes.dtype, writes.skip_unchanged, writes.flat)
     if isinstance(writes, Overlapped):
         return OverlappedWrites(source, writes.optimizers, writes.dtype, writes.skip_unchanged)
     if isinstance(writes, Live):

@@ -6,6 +6,7 @@ background copy) cannot be spelled at all, instead of failing at run time:
 
     Publisher(model)                                              # Copy()
     Publisher(model, writes=Copy(dtype=torch.bfloat16))
+    Publisher(model, writes=Copy(flat=True))                      # many tensors
     Publisher(model, writes=Overlapped(optimizer, skip_unchanged=True))
     Publisher(model, writes=Live())
 
@@ -52,13 +53,25 @@ class Copy(Writes):
             ``.data``, numpy views, another process) are not seen. "verify": the same,
             and every skipped tensor is compared byte for byte with the last version;
             one that differs is published anyway, with a warning.
+        flat: the flat layout, for models of many tensors: at start the trainer's
+            tensors move into one private block laid out as a slot (each becomes a view
+            of its place; a ``Parameter`` stays the same object, as with `Live`), and a
+            publish of every tensor is one copy of that block, checked by one address
+            per tensor instead of shape and dtype. A tensor the trainer re-allocates
+            (``load_state_dict(assign=True)``, ``.data = ...``, a round trip through
+            another dtype) leaves the block: publishes then copy tensor by tensor, with
+            a warning. CPU tensors only, no `dtype`; weights that cannot move (on a GPU,
+            not contiguous) keep publishing tensor by tensor, with a warning.
     """
 
     dtype: torch.dtype | None = None
     skip_unchanged: SkipUnchanged = False
+    flat: bool = False
 
     def __post_init__(self) -> None:
         _check(self.dtype, self.skip_unchanged)
+        if self.flat and self.dtype is not None:
+            raise ValueError("Copy(flat=True) writes the trainer's own bytes: no dtype=")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

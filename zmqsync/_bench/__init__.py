@@ -39,7 +39,7 @@ building the CLI's parser stays cheap, and `import zmqsync` imports none of them
 * `pool`: the worker processes; `fanout`: the harness's own sockets (the floors).
 * `run`: one run from start to end (`Run`, `run_bench`);
   `torchrl_baseline`: torchrl's scheme in a subprocess killed on a deadline.
-* `results`: rows, runs and their files; `targets`: the six targets, judged from rows.
+* `results`: rows, runs and their files; `targets`: the seven targets, judged from rows.
 * `report`: rich and Markdown tables; `plots`: the figures (matplotlib, optional).
 * `args`: the command-line options and `run_from_args`.
 

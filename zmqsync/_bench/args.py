@@ -67,7 +67,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--sizes",
         type=_csv_sizes,
         default=None,
-        help=f"from {','.join(SIZES)} (many = 2,000 tensors, 4 MB)",
+        help=f"from {','.join(SIZES)} (many = 2,000 tensors, 4 MB; llm = 219 bf16 tensors, 1.1 GB)",
     )
     p.add_argument("--modes", type=_csv_modes, default=None, help="copy,alias")
     p.add_argument(

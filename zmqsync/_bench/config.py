@@ -23,7 +23,7 @@ class Size:
     """One model size of the grid, and how many publishes to time at it."""
 
     key: str
-    kind: str  # "mlp" | "many"
+    kind: str  # "mlp" | "many" | "llm"
     target: int  # bytes asked for; the model's real size is in the results
     label: str
     iters: int  # timed publishes at this size (before --iters-scale and volume caps)
@@ -39,9 +39,13 @@ SIZES: dict[str, Size] = {
         Size("64M", "mlp", 64 * MiB, "64 MB", 30, 2),
         Size("512M", "mlp", 512 * MiB, "512 MB", 10, 1),
         Size("1G", "mlp", 1 * GiB, "1 GB", 6, 1),
+        Size("llm", "llm", 1 * GiB, "LLM 1 GB bf16", 6, 3),  # first-touch: 3 warm-ups
     )
 }
 MODES = ("copy", "alias")
+# Models published with the flat layout: the trainer's tensors and a copy-mode worker's
+# model each in one block laid out as a slot (many tensors: a version is one copy).
+FLAT_KINDS = ("many", "llm")
 SLOTS = 2  # the publisher's slots in every phase: the segment holds this many models
 
 
@@ -50,7 +54,7 @@ class BenchConfig:
     """What to run. The defaults are the full grid (docs/benchmarks.md)."""
 
     workers: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
-    sizes: tuple[str, ...] = ("4K", "4M", "many", "64M", "512M", "1G")
+    sizes: tuple[str, ...] = ("4K", "4M", "many", "64M", "512M", "1G", "llm")
     modes: tuple[str, ...] = MODES
     iters_scale: float = 1.0
     min_iters: int = 5

@@ -18,10 +18,10 @@ SAFETY = 3 * GiB  # kept free for everything else on the host
 
 def padded_bytes(size: Size) -> int:
     """Bytes of the model at `size` as the workers lay it out (each tensor aligned)."""
-    from .._bench_worker import MODEL_ALIGN, model_shapes
+    from .._bench_worker import MODEL_ALIGN, element_size, model_shapes
 
-    shapes = model_shapes(size.kind, size.target)
-    return sum(-(-math.prod(s) * 4 // MODEL_ALIGN) * MODEL_ALIGN for s in shapes)
+    shapes, step = model_shapes(size.kind, size.target), element_size(size.kind)
+    return sum(-(-math.prod(s) * step // MODEL_ALIGN) * MODEL_ALIGN for s in shapes)
 
 
 def iterations(cfg: BenchConfig, size: Size, volume_per_iter: float) -> tuple[int, int]:

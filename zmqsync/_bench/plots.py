@@ -97,9 +97,10 @@ def _latency_vs_size(plt: Any, ok: list[Row], ns: list[int]) -> Any:
     if not ns:
         return None
     fig, axes, height = _grid(plt, len(ns), min(4, len(ns)), 4.2)
-    ticks = sorted({r.nbytes for r in ok if r.size != "many"})
+    ticks = sorted({r.nbytes for r in ok if r.size not in ("many", "llm")})
     for ax, n in zip(axes.flat, ns, strict=False):
-        _draw(ax, [r for r in ok if r.n == n and r.size != "many"], lambda r: r.nbytes, 10)
+        mlp = [r for r in ok if r.n == n and r.size not in ("many", "llm")]
+        _draw(ax, mlp, lambda r: r.nbytes, 10)
         ax.set_xticks(ticks, [human(t) for t in ticks], fontsize=7, rotation=35)
         ax.minorticks_off()
         ax.set_title(f"{n} worker{'s' if n > 1 else ''}")
@@ -128,7 +129,7 @@ def _latency_vs_workers(plt: Any, ok: list[Row], ns: list[int]) -> Any:
 
 def _memory(plt: Any, ok: list[Row], ns: list[int]) -> Any:
     """MiB per worker beyond the segment against model bytes, with the 5% line."""
-    mem_rows = [r for r in ok if r.extra is not None and r.size != "many"]
+    mem_rows = [r for r in ok if r.extra is not None and r.size not in ("many", "llm")]
     if not mem_rows:
         return None
     fig, ax = plt.subplots(figsize=(6.5, 4))

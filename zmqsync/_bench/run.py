@@ -25,7 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .config import ROOT, SIZES, SLOTS, BenchConfig, BenchError, Size, SourceChanged
+from .config import FLAT_KINDS, ROOT, SIZES, SLOTS, BenchConfig, BenchError, Size, SourceChanged
 from .fanout import Echoes, Fanout
 from .machine import available_memory, describe_machine, meminfo, torchrl_available
 from .plan import Stopwatch, iterations, padded_bytes, skip_reason, total_steps
@@ -154,6 +154,7 @@ class Run:
         """Publishes interleaved with the raw, memcpy and (copy mode) N+1-copies floors."""
         from .._bench_worker import make_model
         from .._publisher import Publisher
+        from .._writes import Copy
 
         cfg, pool, n, timeout = self.cfg, self.pool, row.n, self.cfg.timeout
         s = padded_bytes(size)
@@ -161,7 +162,7 @@ class Run:
         iters, warmup = iterations(cfg, size, volume)
         trainer, tflat = make_model(size.kind, size.target, fill=True, grad=True)
         row.tensors = len(list(trainer.parameters()))
-        row.nbytes = sum(p.numel() * 4 for p in trainer.parameters())
+        row.nbytes = sum(p.numel() * p.element_size() for p in trainer.parameters())
         _, dst = self.shm_file("dst", tflat.numel())
         floor_src = ""
         if row.mode == "copy":
@@ -184,7 +185,13 @@ class Run:
             fan.connected(n, timeout)
         name = self.name()
         pub = self.publisher = Publisher(
-            trainer, self.address(name), name=name, slots=SLOTS, timeout=timeout, shm_dir=self.shm
+            trainer,
+            self.address(name),
+            name=name,
+            slots=SLOTS,
+            timeout=timeout,
+            shm_dir=self.shm,
+            writes=Copy(flat=size.kind in FLAT_KINDS),
         )
         pub.start()
         row.segment_bytes = self.segment_bytes()
@@ -195,6 +202,7 @@ class Run:
                 "address": pub.address,
                 "name": name,
                 "mode": row.mode,
+                "flat": size.kind in FLAT_KINDS,
                 "timeout": timeout,
                 "shm_dir": self.shm,
             },
@@ -387,7 +395,7 @@ class Run:
         self.progress_note(f"late join {size.label}")
         self.pool.grow(max(1, len(self.pool.workers)))
         trainer, _ = make_model(size.kind, size.target, fill=True, grad=True)
-        out["nbytes"] = sum(p.numel() * 4 for p in trainer.parameters())
+        out["nbytes"] = sum(p.numel() * p.element_size() for p in trainer.parameters())
         name = self.name()
         pub = self.publisher = Publisher(
             trainer, self.address(name), name=name, slots=SLOTS, timeout=timeout, shm_dir=self.shm

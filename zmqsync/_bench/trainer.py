@@ -634,9 +634,9 @@ def targets(records: list[dict[str, Any]]) -> list[tuple[str, str, bool]]:
             ratio = r["bf16_ratio"]
             out.append(
                 (
-                    "512 MB float32 model, bf16 slots p50 / float32 p50 <= 0.6",
+                    "512 MB float32 model, bf16 slots p50 / float32 p50 <= 0.8",
                     f"{ratio:.2f}x",
-                    ratio <= 0.6,
+                    ratio <= 0.8,
                 )
             )
             half = r["bf16_segment_bytes"] / r["f32_segment_bytes"]
