@@ -42,7 +42,7 @@ except ImportError as exc:  # pragma: no cover - the extra is installed in CI
     ) from exc
 
 from ._bus_sample import BusSample, from_publisher, from_state
-from ._histogram import APPLY, PUBLISH, Keys, read
+from ._histogram import APPLY, BLOCKED_IN_PUBLISH, BLOCKED_IN_STEP, PUBLISH, Keys, read
 from ._text import printable
 
 __all__ = ["PublisherCollector", "StateCollector", "SubscriberCollector"]
@@ -148,7 +148,23 @@ def _bus_families(bus: str, sample: BusSample | None) -> list[Metric]:
     )
     for key, reason in _REFUSALS.items():
         refused.add_metric([bus, reason], float(c.get(key, 0)))
-    families += [lost, refused]
+    blocked = CounterMetricFamily(
+        "zmqsync_publish_blocked_seconds",
+        "seconds the training thread waited for versions (Publish.blocked summed): inside "
+        "publish() (at=publish), and with Overlapped writes in optimizer steps waiting for "
+        "a version's background copy (at=step)",
+        labels=["bus", "at"],
+    )
+    blocked.add_metric([bus, "publish"], c.get(BLOCKED_IN_PUBLISH, 0) / 1e6)
+    blocked.add_metric([bus, "step"], c.get(BLOCKED_IN_STEP, 0) / 1e6)
+    written = CounterMetricFamily(
+        "zmqsync_written_bytes",
+        "bytes the publisher copied into slots: a full publish the whole version, a "
+        "partial one (keys=, skip_unchanged) only the tensors it changed",
+        labels=["bus"],
+    )
+    written.add_metric(b, float(c.get("written_bytes", 0)))
+    families += [lost, refused, blocked, written]
     if "connections" in c:  # STATE only
         conns = GaugeMetricFamily(
             "zmqsync_connections", "connections open to the bus's sockets", labels=["bus"]
