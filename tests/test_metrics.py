@@ -44,7 +44,12 @@ from zmqsync._bus_sample import from_publisher
 from zmqsync._protocol import State, TensorSpec, decode, encode, to_plain
 from zmqsync._top_view import Top
 from zmqsync.cli import main
-from zmqsync.metrics import PublisherCollector, StateCollector, SubscriberCollector
+from zmqsync.metrics import (
+    PublisherCollector,
+    RelayCollector,
+    StateCollector,
+    SubscriberCollector,
+)
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
@@ -498,3 +503,54 @@ def test_written_bytes_count_what_full_and_partial_publishes_wrote(name):
     for s in (here, there):
         assert value(s, "zmqsync_written_bytes_total", bus=name) == 1040 + 16
         assert value(s, "zmqsync_version_bytes", bus=name) in (None, 1040)  # STATE only
+
+
+@pytest.mark.timeout(120)
+def test_relay_collector_reports_a_root_and_its_relay(name, bus_dirs):
+    """A tree in this process (trainer, RelayRoot, one Relay, a worker on the relay's
+    bus): the root's view of the relay and the relay's own agree on version and
+    generation, nothing failed, and every version's notice is counted on some channel."""
+    from tests.test_relay import in_process_tree
+
+    tree = in_process_tree(name, bus_dirs, "metrics.sock", ack="tree", relay_timeout=5.0)
+    with tree as (pub, root, relay, local), zmqsync.Subscriber(local, name=name) as sub:
+        for v in (1, 2):
+            assert not pub.publish(weights={"w": torch.full((4096,), float(v))}).missing
+        assert sub.wait_for_version(2, timeout=10)
+        end = time.monotonic() + 10  # the relay reports its workers with its heartbeats
+        while not root.relays[relay.relay_id].workers and time.monotonic() < end:
+            time.sleep(0.05)
+        collector = RelayCollector(root, relay)
+        assert {f.name for f in collector.collect()} <= {f.name for f in collector.describe()}
+        s = _in_process(collector)
+        gen = root.generation
+    me = {"bus": name, "relay": relay.relay_id}
+    assert value(s, "zmqsync_relay_up", **me) == 1
+    assert value(s, "zmqsync_relay_version", **me) == 2
+    assert value(s, "zmqsync_relay_root_version", bus=name) == 2
+    assert value(s, "zmqsync_relay_root_relay_version", **me) == 2
+    assert value(s, "zmqsync_relay_root_relay_lag", **me) == 0
+    assert value(s, "zmqsync_relay_root_relay_acked", **me) == 2
+    assert value(s, "zmqsync_relay_root_relay_workers", **me) == 1
+    assert value(s, "zmqsync_relay_root_relays", bus=name, state="active") == 1
+    assert value(s, "zmqsync_relay_root_relays", bus=name, state="lost") == 0
+    assert gen >= 1 and value(s, "zmqsync_relay_root_generation", bus=name) == gen
+    assert value(s, "zmqsync_relay_generation", **me) == gen
+    assert value(s, "zmqsync_relay_versions_total", **me) == 3  # 0, 1 and 2
+    assert value(s, "zmqsync_relay_root_relayed_total", bus=name) >= 2
+    notices = sum(
+        value(s, "zmqsync_relay_root_notices_total", bus=name, channel=channel) or 0
+        for channel in ("data", "control")
+    )
+    assert notices >= 2
+    for failed in ("lost", "evictions", "timeouts", "transfer_failures"):
+        assert value(s, f"zmqsync_relay_root_{failed}_total", bus=name) == 0
+    for reason in ("receive", "local", "formation"):
+        assert value(s, "zmqsync_relay_failures_total", **me, reason=reason) == 0
+
+
+def test_relay_collector_takes_relays_only():
+    with pytest.raises(ValueError, match="at least one"):
+        RelayCollector()
+    with pytest.raises(TypeError, match="Relay and RelayRoot"):
+        RelayCollector(object())
