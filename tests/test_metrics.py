@@ -44,7 +44,12 @@ from zmqsync._bus_sample import from_publisher
 from zmqsync._protocol import State, TensorSpec, decode, encode, to_plain
 from zmqsync._top_view import Top
 from zmqsync.cli import main
-from zmqsync.metrics import PublisherCollector, StateCollector, SubscriberCollector
+from zmqsync.metrics import (
+    PublisherCollector,
+    RelayCollector,
+    StateCollector,
+    SubscriberCollector,
+)
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
@@ -397,3 +402,173 @@ def test_a_worker_that_never_acked_has_no_lag_series(name):
     assert value(s, "zmqsync_worker_version", bus=name, worker=WORKER) == -1
     assert not [key for key in s if key[0] == "zmqsync_worker_lag"]
     assert value(s, "zmqsync_version", bus=name) == 1
+
+
+# --- lag, blocked time and bytes written, on every path ----------------------------------
+
+
+def _in_process(*collectors) -> Samples:
+    registry = CollectorRegistry()
+    for collector in collectors:
+        registry.register(collector)
+    return parse(generate_latest(registry).decode())
+
+
+def _over_inspect(pub: zmqsync.Publisher) -> Samples:
+    """What the exporter serves: STATE over the control socket (`StateCollector`)."""
+    collector = StateCollector(pub.address, pub.name, timeout=5.0)
+    try:
+        return _in_process(collector)
+    finally:
+        collector.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_paused_workers_lag_is_the_same_everywhere(spawn, name, capsys):
+    """pub.workers[id].lag, inspect's lag, and zmqsync_worker_lag from the collector in
+    this process and from the exporter process are one number, for a paused worker."""
+    import json
+
+    with zmqsync.Publisher({"w": torch.zeros(64)}, name=name, slots=4, heartbeat=2.0) as pub:
+        workers = {}
+        for wid in ("wa", "wb"):
+            worker = spawn("worker", "--name", name, "--json", "--forever", "--worker-id", wid)
+            worker.wait_for(lambda r: r.get("event") == "joined")
+            workers[wid] = worker
+        assert pub.wait_for_workers(2, timeout=30)
+        pub.publish(timeout=30)  # both acked v1
+        workers["wb"].stop()
+        for _ in range(2):
+            pub.publish(workers=["wa"], timeout=30)
+        assert {w: i.lag for w, i in pub.workers.items()} == {"wa": 0, "wb": 2}
+        port = _free_port()
+        spawn("metrics", "--name", name, "--port", str(port), "--timeout", "2")
+        exported = scrape_until(port, lambda s: value(s, "zmqsync_version", bus=name) == 3)
+        here = _in_process(PublisherCollector(pub))
+        assert main(["inspect", "--name", name, "--json"]) == 0
+        shown = json.loads(capsys.readouterr().out)["workers"]
+        inspected = {w["worker_id"]: w["lag"] for w in shown}
+        infos = {w: i.lag for w, i in pub.workers.items()}
+        workers["wb"].proc.send_signal(signal.SIGCONT)
+    for s in (exported, here):
+        assert {w: value(s, "zmqsync_worker_lag", bus=name, worker=w) for w in infos} == infos
+    assert inspected == infos == {"wa": 0, "wb": 2}
+
+
+@pytest.mark.timeout(120)
+def test_overlapped_blocked_time_is_counted_and_exported(name):
+    """zmqsync_publish_blocked_seconds_total adds up Publish.blocked of every version of an
+    Overlapped publisher (inside publish() and in the optimizer steps that waited for a
+    background copy), in this process and over INSPECT."""
+    model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 512))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    handles = []
+    with (
+        zmqsync.Publisher(model, name=name, writes=zmqsync.Overlapped(opt), timeout=30) as pub,
+        zmqsync.Subscriber(name=name, timeout=30) as sub,
+    ):
+        for _ in range(5):
+            model(torch.ones(4, 512)).sum().backward()
+            opt.step()  # waits, if the version before is still being copied
+            opt.zero_grad()
+            handles.append(pub.publish(wait=False))
+        for handle in handles:
+            handle.wait(30)
+        assert sub.wait_for_version(5, timeout=30)
+        here, there = _in_process(PublisherCollector(pub)), _over_inspect(pub)
+    total = sum(h.blocked for h in handles)
+    assert total > 0
+    for s in (here, there):
+        in_publish = value(s, "zmqsync_publish_blocked_seconds_total", bus=name, at="publish")
+        in_step = value(s, "zmqsync_publish_blocked_seconds_total", bus=name, at="step")
+        assert in_publish is not None and in_publish > 0 and in_step is not None
+        assert in_publish + in_step == pytest.approx(total, abs=2e-5 * len(handles))
+    assert value(here, "zmqsync_publish_blocked_seconds_total", bus=name, at="step") == value(
+        there, "zmqsync_publish_blocked_seconds_total", bus=name, at="step"
+    )
+
+
+@pytest.mark.timeout(60)
+def test_written_bytes_count_what_full_and_partial_publishes_wrote(name):
+    weights = {"w": torch.zeros(256), "b": torch.zeros(4)}  # 1024 + 16 bytes
+    with (
+        zmqsync.Publisher(weights, name=name, timeout=30) as pub,
+        zmqsync.Subscriber(name=name, model=None, timeout=30),
+    ):
+        pub.publish()  # every tensor
+        after_full = _in_process(PublisherCollector(pub))
+        pub.publish({"b": torch.ones(4)}, keys=["b"])  # only "b"
+        here, there = _in_process(PublisherCollector(pub)), _over_inspect(pub)
+    assert value(after_full, "zmqsync_written_bytes_total", bus=name) == 1040
+    for s in (here, there):
+        assert value(s, "zmqsync_written_bytes_total", bus=name) == 1040 + 16
+        assert value(s, "zmqsync_version_bytes", bus=name) in (None, 1040)  # STATE only
+
+
+@pytest.mark.timeout(120)
+def test_relay_collector_reports_a_root_and_its_relay(name, bus_dirs):
+    """A tree in this process (trainer, RelayRoot, one Relay, a worker on the relay's
+    bus): the root's view of the relay and the relay's own agree on version and
+    generation, nothing failed, and every version's notice is counted on some channel."""
+    from tests.test_relay import in_process_tree
+
+    tree = in_process_tree(name, bus_dirs, "metrics.sock", ack="tree", relay_timeout=5.0)
+    with tree as (pub, root, relay, local), zmqsync.Subscriber(local, name=name) as sub:
+        for v in (1, 2):
+            assert not pub.publish(weights={"w": torch.full((4096,), float(v))}).missing
+        assert sub.wait_for_version(2, timeout=10)
+        end = time.monotonic() + 10  # the relay reports its workers with its heartbeats
+        while not root.relays[relay.relay_id].workers and time.monotonic() < end:
+            time.sleep(0.05)
+        collector = RelayCollector(root, relay)
+        assert {f.name for f in collector.collect()} <= {f.name for f in collector.describe()}
+        s = _in_process(collector)
+        gen = root.generation
+    me = {"bus": name, "relay": relay.relay_id}
+    assert value(s, "zmqsync_relay_up", **me) == 1
+    assert value(s, "zmqsync_relay_version", **me) == 2
+    assert value(s, "zmqsync_relay_root_version", bus=name) == 2
+    assert value(s, "zmqsync_relay_root_relay_version", **me) == 2
+    assert value(s, "zmqsync_relay_root_relay_lag", **me) == 0
+    assert value(s, "zmqsync_relay_root_relay_acked", **me) == 2
+    assert value(s, "zmqsync_relay_root_relay_workers", **me) == 1
+    assert value(s, "zmqsync_relay_root_relays", bus=name, state="active") == 1
+    assert value(s, "zmqsync_relay_root_relays", bus=name, state="lost") == 0
+    assert gen >= 1 and value(s, "zmqsync_relay_root_generation", bus=name) == gen
+    assert value(s, "zmqsync_relay_generation", **me) == gen
+    assert value(s, "zmqsync_relay_versions_total", **me) == 3  # 0, 1 and 2
+    assert value(s, "zmqsync_relay_root_relayed_total", bus=name) >= 2
+    notices = sum(
+        value(s, "zmqsync_relay_root_notices_total", bus=name, channel=channel) or 0
+        for channel in ("data", "control")
+    )
+    assert notices >= 2
+    for failed in ("lost", "evictions", "timeouts", "transfer_failures"):
+        assert value(s, f"zmqsync_relay_root_{failed}_total", bus=name) == 0
+    for reason in ("receive", "local", "formation"):
+        assert value(s, "zmqsync_relay_failures_total", **me, reason=reason) == 0
+
+
+def test_relay_collector_takes_relays_only():
+    with pytest.raises(ValueError, match="at least one"):
+        RelayCollector()
+    with pytest.raises(TypeError, match="Relay and RelayRoot"):
+        RelayCollector(object())
+
+
+def test_every_metric_is_documented():
+    """docs/metrics.md has a row for every metric a collector can export."""
+    doc = (ROOT / "docs" / "metrics.md").read_text()
+    state = StateCollector("ipc:///nonexistent/zmqsync-doc-check.sock", "x")
+    try:
+        families = [*state.describe(), *SubscriberCollector(object()).describe()]
+    finally:
+        state.close()
+    relays = RelayCollector(
+        zmqsync.RelayRoot(name="x", init_method="tcp://127.0.0.1:0"),
+        zmqsync.Relay(name="x", init_method="tcp://127.0.0.1:1"),
+    )
+    families += relays.describe()
+    shown = {f.name + ("_total" if f.type == "counter" else "") for f in families}
+    assert len(shown) > 40
+    assert sorted(n for n in shown if f"| `{n}` |" not in doc) == []

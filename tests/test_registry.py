@@ -168,7 +168,7 @@ def test_infos_snapshot_with_wall_clock_last_seen():
     reg.join(hello("w0", pid=7), "s0", now=10.0)
     reg.ack("w0", "s0", 0, now=12.0)
     infos = reg.infos(wall_offset=1000.0)
-    assert infos == {"w0": WorkerInfo("w0", 7, "host", 0, "copy", "cpu", 1012.0)}
+    assert infos == {"w0": WorkerInfo("w0", 7, "host", 0, "copy", "cpu", 1012.0, lag=0)}
     with pytest.raises(AttributeError):
         infos["w0"].version = 3  # type: ignore[misc]
 

@@ -46,11 +46,12 @@ def test_lag_counts_versions_behind_the_latest_from_the_acks():
     assert reg.lags(2, reg.meant(["fast", "slow"])) == {"fast": 0, "slow": 1}
 
 
-def test_a_worker_not_acked_yet_counts_from_before_its_welcome():
+def test_a_worker_not_acked_yet_has_no_lag_but_counts_as_behind_for_a_publish():
     reg = Registry(slots=2)
     reg.record(4, 0)
     reg.join(_hello("new"), "s", 0.0)  # welcomed at 4, applying it
-    assert reg.infos(0.0)["new"].lag == 1
+    assert reg.infos(0.0)["new"].lag is None  # not known before its first ack
+    assert reg.lags(4, reg.meant(["new"])) == {"new": 1}  # a publish counts it behind
     assert not reg.alias_readers()
     reg.join(_hello("a", mode="alias"), "s2", 0.0)
     assert reg.alias_readers()
@@ -212,7 +213,7 @@ def test_inspect_shows_each_workers_lag(name, capsys):
             pub.publish(max_lag=None)
         assert current.wait_for_version(2, timeout=10)
         deadline = time.monotonic() + 10  # the acks of the start reach the publisher
-        while pub.workers["current"].lag and time.monotonic() < deadline:
+        while pub.workers["current"].lag != 0 and time.monotonic() < deadline:
             time.sleep(0.01)
         assert {w: i.lag for w, i in pub.workers.items()} == {"behind": 2, "current": 0}
         assert main(["inspect", "--name", name, "--json"]) == 0

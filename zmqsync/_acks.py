@@ -86,6 +86,11 @@ class AckWait:
         after publish() was called: count it in the publish histogram (metrics)."""
         self._shared.role.took(seconds)
 
+    def blocked(self, seconds: float, *, in_step: bool = False) -> None:
+        """The training thread waited `seconds` for a version, inside publish() or (with
+        `in_step`) in an optimizer step: count it for the metrics."""
+        self._shared.role.blocked(seconds, in_step)
+
     # --- slots -----------------------------------------------------------------------
 
     def free_slot(self) -> int | None:

@@ -26,17 +26,34 @@ class Announcer:
         # (seq, version, slot, changed) -> frame
         self._receive = template(Receive, bus=bus_id)
         self._bits: dict[frozenset[Key], bytes] = {}  # tensors named -> RECEIVE.changed
+        self._sizes: dict[frozenset[Key] | None, int] = {None: layout.nbytes}  # -> bytes
 
     def announce(self, version: int, slot: int, named: frozenset[Key] | None) -> None:
         """`version` is in `slot` (its header says so): record it, then send RECEIVE.
         `named`: the tensors it changed, for copy-mode workers (None: all of them)."""
-        self.record(version, slot)
+        self.record(version, slot, self.size_of(named))
         self.send(version, slot, named)
 
-    def record(self, version: int, slot: int) -> None:
+    def record(self, version: int, slot: int, written: int) -> None:
+        """`version` is in `slot`; writing it copied `written` bytes into the slot (the
+        ``written_bytes`` counter: a partial publish writes less than a version)."""
         with self._shared.cond:
             self._shared.role.registry.record(version, slot)
-            self._shared.role.counters["publishes"] += 1
+            counters = self._shared.role.counters
+            counters["publishes"] += 1
+            counters["written_bytes"] += written
+
+    def size_of(self, named: frozenset[Key] | None) -> int:
+        """Bytes of the tensors `named` (None: all), in the slots' dtypes: computed once
+        per set of keys, as `_changed_bits` is (a trainer publishes the same few subsets)."""
+        size = self._sizes.get(named)
+        if size is None:
+            keys = frozenset() if named is None else named  # None is cached from the start
+            size = sum(spec.nbytes for spec in self._specs if spec.key in keys)
+            if len(self._sizes) > 64:
+                self._sizes = {None: self._sizes[None]}
+            self._sizes[named] = size
+        return size
 
     def send(self, version: int, slot: int, named: frozenset[Key] | None) -> None:
         """Send RECEIVE from this thread (no hand-off to the agent: see `_publisher`)."""

@@ -1,11 +1,10 @@
 """One look at a bus, the same whether it came from a `Publisher` in this process or from
 a STATE answer over the control socket: what the metrics and ``zmqsync top`` show.
 
-A worker's lag is computed here, from what both sources carry: the publisher's latest
-version minus the last version the worker acked. A worker that has acked nothing yet
-(version -1: between its WELCOME and its first ACK, or stuck there) has no lag (None):
-neither source says which version it joined at, and latest + 1 would make every join
-look like a worker thousands of versions behind. No I/O: the callers read the sources.
+A worker's lag is the one `_registry.lag` computes (what ``Publisher.workers[id].lag``
+and inspect say): the publisher's latest version minus the last version the worker
+acked, None before its first ack. An in-process publisher's is taken as it reports it;
+a STATE's is computed from the same two numbers. No I/O: the callers read the sources.
 """
 
 from __future__ import annotations
@@ -14,6 +13,8 @@ import dataclasses
 import time
 from collections.abc import Mapping
 from typing import Any
+
+from ._registry import lag
 
 __all__ = ["BusSample", "WorkerSample", "from_publisher", "from_state"]
 
@@ -51,12 +52,6 @@ class BusSample:
     version_bytes: int | None = None
 
 
-def lag(latest: int, acked: int) -> int | None:
-    """Versions a worker that acked `acked` is behind `latest` (never negative); None
-    before its first ack (`acked` -1)."""
-    return None if acked < 0 else max(0, latest - acked)
-
-
 def from_state(state: Any) -> BusSample:
     """A sample from a STATE message (`_protocol.State`), as INSPECT returns it."""
     latest = state.version
@@ -88,7 +83,8 @@ def from_state(state: Any) -> BusSample:
 
 def from_publisher(pub: Any, pid: int) -> BusSample:
     """A sample from a `Publisher` of this process, through its public properties only
-    (each a snapshot taken under the publisher's lock)."""
+    (each a snapshot taken under the publisher's lock). Each worker's lag is the one
+    `Publisher.workers` reports, taken in the same snapshot as its version."""
     latest = pub.version
     now = time.time()  # WorkerInfo.last_seen is a time.time() timestamp
     workers = tuple(
@@ -100,7 +96,7 @@ def from_publisher(pub: Any, pid: int) -> BusSample:
             info.transport,
             info.version,
             max(0.0, now - info.last_seen),
-            lag(latest, info.version),
+            info.lag,
         )
         for info in pub.workers.values()
     )

@@ -27,6 +27,8 @@ from collections.abc import Mapping, MutableMapping
 
 __all__ = [
     "APPLY",
+    "BLOCKED_IN_PUBLISH",
+    "BLOCKED_IN_STEP",
     "BOUNDS_US",
     "PUBLISH",
     "Histogram",
@@ -60,6 +62,11 @@ class Keys:
 
 PUBLISH = Keys.of("publish")  # publish() to the last ack (publisher)
 APPLY = Keys.of("apply")  # a version taken to applied, before its ack (worker)
+
+# Sums without buckets (microseconds): what publishing cost the training thread, inside
+# publish() and, with Overlapped writes, inside optimizer steps (see `Publish.blocked`).
+BLOCKED_IN_PUBLISH = "blocked_publish_us"
+BLOCKED_IN_STEP = "blocked_step_us"
 
 
 def record(counts: MutableMapping[str, int], keys: Keys, seconds: float) -> None:

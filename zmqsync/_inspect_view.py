@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ._histogram import PUBLISH, quantile, read
+from ._registry import lag
 from ._text import printable
 
 __all__ = ["lag_of", "print_relays", "print_state"]
@@ -19,8 +20,9 @@ __all__ = ["lag_of", "print_relays", "print_state"]
 
 def lag_of(state: Any, acked: int) -> int | None:
     """How many versions a worker that acked `acked` is behind the bus's latest (what
-    ``Publisher.workers[id].lag`` says); None before its first ack."""
-    return max(0, state.version - acked) if acked >= 0 else None
+    ``Publisher.workers[id].lag`` says, by the same `_registry.lag`); None before its
+    first ack."""
+    return lag(state.version, acked)
 
 
 def print_relays(tree: Mapping[str, Any]) -> None:

@@ -125,11 +125,20 @@ class Writer:
 
 
 class StepGuard:
-    """A pre-hook on each optimizer's ``step()``: wait for the pending copy, if any."""
+    """A pre-hook on each optimizer's ``step()``: wait for the pending copy, if any.
 
-    def __init__(self, optimizers: Iterable[torch.optim.Optimizer], timeout: float | None):
+    `on_wait(seconds)` hears each wait (for the metrics), once it ended.
+    """
+
+    def __init__(
+        self,
+        optimizers: Iterable[torch.optim.Optimizer],
+        timeout: float | None,
+        on_wait: Callable[[float], None] | None = None,
+    ):
         self.pending: Pending | None = None
         self._timeout = timeout
+        self._on_wait = on_wait
         self._optimizers = list(optimizers)
         self._hooks = [opt.register_step_pre_hook(self._before_step) for opt in self._optimizers]
 
@@ -150,7 +159,10 @@ class StepGuard:
             else:
                 pending.wait(self._timeout)
         finally:
-            pending.guard_wait += time.perf_counter() - started
+            waited = time.perf_counter() - started
+            pending.guard_wait += waited
+            if self._on_wait is not None:
+                self._on_wait(waited)
 
     def remove(self) -> None:
         for hook in self._hooks:

@@ -97,6 +97,7 @@ class Publish:
         self._acks = acks
         self._started = started
         self._returned = time.perf_counter()  # when publish() handed this back
+        acks.blocked(self._returned - started)  # `blocked`'s share known now (metrics)
         self._pending = pending  # the background copy, with Overlapped writes
         self._finished: float | None = None
         self._acked: tuple[str, ...] | None = None

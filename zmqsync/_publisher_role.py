@@ -40,7 +40,7 @@ from ._buffers.transport import registered
 from ._config import FIRST_WORD_S, LOST_AFTER_BEATS
 from ._errors import ProtocolError
 from ._handshake_queue import HandshakeQueue
-from ._histogram import PUBLISH, record
+from ._histogram import BLOCKED_IN_PUBLISH, BLOCKED_IN_STEP, PUBLISH, record
 from ._protocol import (
     Ack,
     BufferInfo,
@@ -293,6 +293,14 @@ class PublisherRole:
         `counters` (see `_histogram`). The one call here that needs no lock: only the
         threads that finish publishes write those keys."""
         record(self.counters, PUBLISH, seconds)
+
+    def blocked(self, seconds: float, in_step: bool) -> None:
+        """The training thread waited `seconds` for a version: inside publish(), or
+        (`in_step`, Overlapped writes) in an optimizer step, for the version's background
+        copy. Summed in whole microseconds (``blocked_publish_us``, ``blocked_step_us``),
+        what `Publish.blocked` adds up per version; one add, unlocked as `took` is (only
+        the training thread writes these keys)."""
+        self.counters[BLOCKED_IN_STEP if in_step else BLOCKED_IN_PUBLISH] += int(seconds * 1e6)
 
     def evict(self, worker_ids: Iterable[str]) -> list[Member]:
         """Drop workers a publish gave up on (on_timeout="evict")."""

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 from ._protocol import Hello
 
-__all__ = ["Meant", "Member", "Registry", "WorkerInfo"]
+__all__ = ["Meant", "Member", "Registry", "WorkerInfo", "lag"]
 
 # A publish's target: the worker id and the process it meant by it ("": whoever holds it).
 Meant = tuple[str, str]
@@ -47,9 +47,8 @@ class WorkerInfo:
 
     `version` is the last version it acknowledged (-1 before its first ack);
     `last_seen` is a ``time.time()`` timestamp of its last message; `lag` is how many
-    versions it is behind the latest published one (0: it computes with the latest).
-    Before its first ack a worker counts as having applied the version before the one
-    it was welcomed with.
+    versions it is behind the latest published one (0: it computes with the latest;
+    None before its first ack, see `lag`).
     """
 
     worker_id: str
@@ -59,7 +58,21 @@ class WorkerInfo:
     mode: str
     transport: str
     last_seen: float
-    lag: int = 0
+    lag: int | None = None
+
+
+def lag(latest: int, acked: int) -> int | None:
+    """How many versions a worker that acked `acked` is behind `latest` (never negative);
+    None before its first ack (`acked` -1).
+
+    The one formula behind every lag shown: ``Publisher.workers[id].lag``, inspect's
+    lag column, ``zmqsync_worker_lag`` and top. It takes only what STATE carries too (the
+    acked version, not the version a worker was welcomed with), so a reader in another
+    process computes the same number as the publisher; a worker between its WELCOME and
+    its first ACK (or stuck there) has no known lag, rather than looking as far behind
+    as the bus is old.
+    """
+    return None if acked < 0 else max(0, latest - acked)
 
 
 @dataclass(slots=True)
@@ -335,7 +348,7 @@ class Registry:
                 m.mode,
                 m.transport,
                 m.last_seen + wall_offset,
-                max(0, latest - m.applied),
+                lag(latest, m.acked),
             )
             for w, m in self.members.items()
         }

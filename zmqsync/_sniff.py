@@ -42,6 +42,7 @@ from ._protocol import (
     encode,
     to_plain,
 )
+from ._registry import lag
 from ._security import client_from_env
 from ._sockets import connect, resolve_endpoint
 from ._text import printable
@@ -287,8 +288,12 @@ class Summary:
         """Each worker on the bus that acked a version: versions behind the latest."""
         if self.latest is None or not self.acks_visible:
             return {}
-        latest = self.latest
-        return {w: max(0, latest - v) for w, v in self.applied.items() if w in self.workers}
+        latest, out = self.latest, {}
+        for w, v in self.applied.items():  # the lag Publisher.workers reports, from the tap
+            behind = lag(latest, v)
+            if behind is not None and w in self.workers:
+                out[w] = behind
+        return out
 
     def lag_line(self) -> str:
         """``lag now/max: w0 0/2, w1 1/2`` (worker ids escaped), or "" before any."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import threading
 from collections.abc import Callable, Mapping
@@ -208,7 +209,7 @@ class CopyWrites(Mode):
                 slots.copy(slot, flat, named, mirror=mirror)
                 slots.refresh(slot, slots.stale(slot, named))
                 slots.finish(slot, version, named, mirror=mirror)
-            announcer.record(version, slot)
+            announcer.record(version, slot, announcer.size_of(named))
         announcer.send(version, slot, named)
         self._note(flat, named)
         return None
@@ -236,7 +237,9 @@ class OverlappedWrites(CopyWrites):
     def bind(self, bound: Bound, stack: contextlib.ExitStack) -> None:
         super().bind(bound, stack)
         # closed before the agent stops: a version still pending goes out first
-        self._guard = StepGuard(self._optimizers, bound.timeout)
+        self._guard = StepGuard(
+            self._optimizers, bound.timeout, functools.partial(bound.acks.blocked, in_step=True)
+        )
         stack.callback(self._guard.remove)
         self._writer = Writer(bound.name)
         stack.callback(self._writer.close)
@@ -276,7 +279,7 @@ class OverlappedWrites(CopyWrites):
                     pending.copied = streams.events(devices)
                     pending.queued.set()
                 slots.finish(slot, version, named, mirror=mirror)  # syncs the side streams
-                announcer.record(version, slot)
+                announcer.record(version, slot, announcer.size_of(named))
             announcer.send(version, slot, named)
 
         pending = writer.submit(finish, on_gpu=on_gpu)
@@ -315,6 +318,7 @@ class LiveWrites(Mode):
         self, slot: int, version: int, flat: Flat, named: frozenset[Key] | None
     ) -> Pending | None:
         bound = self.bound
+        written = 0  # the trainer writes the slot itself: only copies made here count
         with bound.write_lock:  # copy only what was given and is not the slot's own
             bound.slots.begin(slot)
             views = bound.slots.views(slot)
@@ -322,8 +326,9 @@ class LiveWrites(Mode):
                 for key, tensor in flat.items():
                     if tensor.data_ptr() != views[key].data_ptr():
                         views[key].copy_(tensor)
+                        written += views[key].nbytes
             bound.slots.finish(slot, version, named)
-            bound.announcer.record(version, slot)
+            bound.announcer.record(version, slot, written)
         bound.announcer.send(version, slot, named)
         return None
 
@@ -418,7 +423,7 @@ class Landing(Writes, Mode):
         with bound.write_lock:
             with bound.slots.writing(slot, version):
                 staged.fill(bound.slots.flat(slot))
-            bound.announcer.record(version, slot)
+            bound.announcer.record(version, slot, bound.announcer.size_of(None))
         bound.announcer.send(version, slot, None)
         return None
 

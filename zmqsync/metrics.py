@@ -9,7 +9,8 @@ not can start the client's HTTP server::
     REGISTRY.register(PublisherCollector(pub))
     start_http_server(9108)
 
-A worker does the same with `SubscriberCollector`. The collectors are custom collectors
+A worker does the same with `SubscriberCollector`, a relay tree's root and relays with
+`RelayCollector`. The collectors are custom collectors
 in prometheus-client's sense: they read, at each scrape, what a `Publisher` or
 `Subscriber` counts anyway (its version, workers and counters), so a publish or an apply
 does no work for them. `StateCollector` reads the same from another process, over the
@@ -42,10 +43,11 @@ except ImportError as exc:  # pragma: no cover - the extra is installed in CI
     ) from exc
 
 from ._bus_sample import BusSample, from_publisher, from_state
-from ._histogram import APPLY, PUBLISH, Keys, read
+from ._histogram import APPLY, BLOCKED_IN_PUBLISH, BLOCKED_IN_STEP, PUBLISH, Keys, read
+from ._registry import lag
 from ._text import printable
 
-__all__ = ["PublisherCollector", "StateCollector", "SubscriberCollector"]
+__all__ = ["PublisherCollector", "RelayCollector", "StateCollector", "SubscriberCollector"]
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +150,23 @@ def _bus_families(bus: str, sample: BusSample | None) -> list[Metric]:
     )
     for key, reason in _REFUSALS.items():
         refused.add_metric([bus, reason], float(c.get(key, 0)))
-    families += [lost, refused]
+    blocked = CounterMetricFamily(
+        "zmqsync_publish_blocked_seconds",
+        "seconds the training thread waited for versions (Publish.blocked summed): inside "
+        "publish() (at=publish), and with Overlapped writes in optimizer steps waiting for "
+        "a version's background copy (at=step)",
+        labels=["bus", "at"],
+    )
+    blocked.add_metric([bus, "publish"], c.get(BLOCKED_IN_PUBLISH, 0) / 1e6)
+    blocked.add_metric([bus, "step"], c.get(BLOCKED_IN_STEP, 0) / 1e6)
+    written = CounterMetricFamily(
+        "zmqsync_written_bytes",
+        "bytes the publisher copied into slots: a full publish the whole version, a "
+        "partial one (keys=, skip_unchanged) only the tensors it changed",
+        labels=["bus"],
+    )
+    written.add_metric(b, float(c.get("written_bytes", 0)))
+    families += [lost, refused, blocked, written]
     if "connections" in c:  # STATE only
         conns = GaugeMetricFamily(
             "zmqsync_connections", "connections open to the bus's sockets", labels=["bus"]
@@ -330,6 +348,192 @@ class StateCollector(Collector):
         if self._asking.acquire(timeout=self.timeout + 1.0):  # the scrape saw `_closed`
             self._asking.release()
         self._ctx.destroy(linger=0)
+
+
+class RelayCollector(Collector):
+    """The metrics of relay trees (`zmqsync.RelayRoot`, `zmqsync.Relay`) of this process.
+
+    A root reports the tree as it sees it (its version and generation, each relay's
+    state, version and lag, and what went wrong: relays lost and evicted, deadlines
+    missed, transfers failed, notices that fell back to the control channel); a relay
+    reports its own side (connected, the version on its host's bus, its generation, its
+    failures). Read at each scrape from their public snapshots, so relaying does no work
+    for them. A relay's local bus is a `Publisher`: `PublisherCollector(relay.publisher)`
+    once it exists (after the first version arrived) adds that bus's metrics.
+
+    Args:
+        relays: one or more `zmqsync.RelayRoot` or `zmqsync.Relay` (mixed as wanted).
+    """
+
+    def __init__(self, *relays: Any) -> None:
+        from .relay import Relay, RelayRoot
+
+        if not relays:
+            raise ValueError("RelayCollector needs at least one Relay or RelayRoot")
+        self._roots = [r for r in relays if isinstance(r, RelayRoot)]
+        self._relays = [r for r in relays if isinstance(r, Relay)]
+        others = [r for r in relays if not isinstance(r, Relay | RelayRoot)]
+        if others:
+            raise TypeError(f"RelayCollector takes Relay and RelayRoot objects, not {others[0]!r}")
+
+    def collect(self) -> Iterator[Metric]:
+        yield from _root_families(self._roots)
+        yield from _relay_families(self._relays)
+
+    def describe(self) -> Iterator[Metric]:
+        """The names this collector exports (the registry checks them for clashes)."""
+        yield from _root_families(())
+        yield from _relay_families(())
+
+
+# RelayRoot counters shown as counters of their own: name, counter key, meaning.
+_ROOT_COUNTERS = (
+    ("zmqsync_relay_root_relayed", "relayed", "versions every relay of the tree received"),
+    ("zmqsync_relay_root_joins", "joins", "relays that joined (restarts and re-joins too)"),
+    ("zmqsync_relay_root_generations", "generations", "generations formed (each change of "
+     "the relays' member list is one)"),
+    ("zmqsync_relay_root_lost", "lost", "relays dropped as silent for ~6 heartbeats"),
+    ("zmqsync_relay_root_timeouts", "timeouts", "versions a relay did not have (or its "
+     "workers did not ack, ack=tree) by the root's deadline"),
+    ("zmqsync_relay_root_evictions", "evictions", "relays evicted by a deadline "
+     "(on_timeout=evict): they re-join"),
+    ("zmqsync_relay_root_transfer_failures", "transfer_failures", "versions whose transfer "
+     "to the relays failed (the generation ends)"),
+    ("zmqsync_relay_root_formation_failures", "formation_failures", "generations whose "
+     "process group could not be formed"),
+)  # fmt: skip
+
+
+def _root_families(roots: Iterable[Any]) -> list[Metric]:
+    bus, per = ["bus"], ["bus", "relay"]
+    version = GaugeMetricFamily(
+        "zmqsync_relay_root_version", "the root bus's version the root holds", labels=bus
+    )
+    generation = GaugeMetricFamily(
+        "zmqsync_relay_root_generation", "the last generation formed (0 before any)", labels=bus
+    )
+    states = GaugeMetricFamily(
+        "zmqsync_relay_root_relays",
+        "relays the root knows, by state: pending (not in this generation), active, lost, evicted",
+        labels=[*bus, "state"],
+    )
+    r_version = GaugeMetricFamily(
+        "zmqsync_relay_root_relay_version",
+        "the last root version on the relay's own bus (-1: none yet)",
+        labels=per,
+    )
+    r_lag = GaugeMetricFamily(
+        "zmqsync_relay_root_relay_lag",
+        "versions the relay's bus is behind the root's (no sample before its first)",
+        labels=per,
+    )
+    r_acked = GaugeMetricFamily(
+        "zmqsync_relay_root_relay_acked",
+        "the last version all the relay's local workers acked (-1: none yet)",
+        labels=per,
+    )
+    r_seen = GaugeMetricFamily(
+        "zmqsync_relay_root_relay_last_seen_seconds",
+        "seconds since the relay's last message (lost after ~6 heartbeats)",
+        labels=per,
+    )
+    r_workers = GaugeMetricFamily(
+        "zmqsync_relay_root_relay_workers", "workers on the relay's bus", labels=per
+    )
+    r_info = GaugeMetricFamily(
+        "zmqsync_relay_root_relay_info",
+        "the relay's state, host and pid; always 1",
+        labels=[*per, "state", "host", "pid"],
+    )
+    counters = {
+        name: CounterMetricFamily(name, doc, labels=bus) for name, _key, doc in _ROOT_COUNTERS
+    }
+    notices = CounterMetricFamily(
+        "zmqsync_relay_root_notices",
+        "version notices sent to relays, by channel: data (straight to the relay's data "
+        "thread), control (the fallback while a relay's data channel is not connected)",
+        labels=[*bus, "channel"],
+    )
+    refused = CounterMetricFamily(
+        "zmqsync_relay_root_refused",
+        "relay messages dropped: invalid, or of a session or generation no longer current",
+        labels=[*bus, "reason"],
+    )
+    for root in roots:
+        b = [printable(root.name)]
+        latest, c, infos = root.version, root.counters, root.relays.values()
+        version.add_metric(b, float(latest))
+        generation.add_metric(b, float(root.generation))
+        for state in ("pending", "active", "lost", "evicted"):
+            states.add_metric([*b, state], float(sum(i.state == state for i in infos)))
+        for i in infos:
+            who = [*b, printable(i.relay_id)]
+            r_version.add_metric(who, float(i.version))
+            behind = lag(latest, i.version)
+            if behind is not None:
+                r_lag.add_metric(who, float(behind))
+            r_acked.add_metric(who, float(i.acked))
+            r_seen.add_metric(who, float(i.last_seen))
+            r_workers.add_metric(who, float(len(i.workers)))
+            r_info.add_metric([*who, printable(i.state), printable(i.host), str(i.pid)], 1.0)
+        for name, key, _doc in _ROOT_COUNTERS:
+            counters[name].add_metric(b, float(c.get(key, 0)))
+        notices.add_metric([*b, "data"], float(c.get("data_notices", 0)))
+        notices.add_metric([*b, "control"], float(c.get("control_notices", 0)))
+        refused.add_metric([*b, "invalid"], float(c.get("rejected", 0)))
+        refused.add_metric([*b, "stale"], float(c.get("stale", 0)))
+    families: list[Metric] = [version, generation, states, r_version, r_lag, r_acked, r_seen]
+    return [*families, r_workers, r_info, *counters.values(), notices, refused]
+
+
+def _relay_families(relays: Iterable[Any]) -> list[Metric]:
+    per = ["bus", "relay"]
+    up = GaugeMetricFamily(
+        "zmqsync_relay_up", "1 while the root accepts the relay and is heard from", labels=per
+    )
+    version = GaugeMetricFamily(
+        "zmqsync_relay_version",
+        "the last root version on this host's bus (-1 before the first)",
+        labels=per,
+    )
+    generation = GaugeMetricFamily(
+        "zmqsync_relay_generation", "the generation the relay is in (-1: none)", labels=per
+    )
+    versions = CounterMetricFamily(
+        "zmqsync_relay_versions", "versions received and published on this host", labels=per
+    )
+    generations = CounterMetricFamily(
+        "zmqsync_relay_generations", "generations the relay joined", labels=per
+    )
+    preposted = CounterMetricFamily(
+        "zmqsync_relay_preposted",
+        "versions whose receives were posted into a free slot before their notice came",
+        labels=per,
+    )
+    failures = CounterMetricFamily(
+        "zmqsync_relay_failures",
+        "what failed on the relay: receive (a transfer), local (its bus), formation (a "
+        "process group)",
+        labels=[*per, "reason"],
+    )
+    refused = CounterMetricFamily(
+        "zmqsync_relay_refused",
+        "root messages dropped: invalid, or of a generation no longer current",
+        labels=[*per, "reason"],
+    )
+    for relay in relays:
+        who, c = [printable(relay.name), printable(relay.relay_id)], dict(relay.counters)
+        up.add_metric(who, 1.0 if relay.connected else 0.0)
+        version.add_metric(who, float(relay.version))
+        generation.add_metric(who, float(relay.generation))
+        versions.add_metric(who, float(c.get("versions", 0)))
+        generations.add_metric(who, float(c.get("generations", 0)))
+        preposted.add_metric(who, float(c.get("preposted", 0)))
+        for reason in ("receive", "local", "formation"):
+            failures.add_metric([*who, reason], float(c.get(f"{reason}_failures", 0)))
+        refused.add_metric([*who, "invalid"], float(c.get("rejected", 0)))
+        refused.add_metric([*who, "stale"], float(c.get("stale", 0)))
+    return [up, version, generation, versions, generations, preposted, failures, refused]
 
 
 def _merge(merged: dict[str, Metric], family: Metric) -> None:
