@@ -7,11 +7,12 @@ threads, no sleeping.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
 
-from zmqsync._config import FIRST_WORD_S, LOST_AFTER_BEATS
+from zmqsync._config import FIRST_WORD_PER_TENSOR_S, FIRST_WORD_S, LOST_AFTER_BEATS
 from zmqsync._errors import ProtocolError
 from zmqsync._protocol import (
     Ack,
@@ -183,6 +184,22 @@ def test_a_worker_gets_longer_for_its_first_word_than_for_the_next():
     assert [m.worker_id for m in r.drop_silent(FIRST_WORD_S + 0.875)] == ["w"]
     join(r, "x", now=10.0)
     assert [m.worker_id for m in r.drop_silent(10.0 + FIRST_WORD_S + 0.125)] == ["x"]
+
+
+def test_a_first_word_may_take_longer_on_a_bus_of_many_tensors():
+    # a worker maps, checks and views every tensor before it can ack its first version
+    many = tuple(
+        TensorSpec((f"t{i}",), "float32", (4,), contiguous_stride((4,)), 256 * i, 16)
+        for i in range(50_000)
+    )
+    r = role(heartbeat=0.125, manifest=many, slot_bytes=256 * 50_000)
+    cpu = dataclasses.replace(CPU, size=4096 + 2 * 256 * 50_000)
+    r.endpoints = dataclasses.replace(r.endpoints, buffers=(cpu,))
+    join(r, "w", now=0.0)
+    limit = FIRST_WORD_S + 50_000 * FIRST_WORD_PER_TENSOR_S
+    assert limit == pytest.approx(15.0)
+    assert r.drop_silent(limit - 0.25) == []
+    assert [m.worker_id for m in r.drop_silent(limit + 0.25)] == ["w"]
 
 
 def test_worker_messages_count_only_with_the_current_session():

@@ -36,6 +36,7 @@ __all__ = [
     "DEFAULT_SHM_DIR",
     "HANDSHAKE_ATTEMPTS",
     "LOST_AFTER_BEATS",
+    "FIRST_WORD_PER_TENSOR_S",
     "FIRST_WORD_S",
     "REJOIN_MIN_S",
     "MAX_MESSAGE_BYTES",
@@ -64,8 +65,12 @@ DEFAULT_SHM_DIR = "/dev/shm"
 HANDSHAKE_ATTEMPTS = 3  # Lazy Pirate: fresh REQ socket per attempt
 LOST_AFTER_BEATS = 6  # a peer silent for this many heartbeat intervals is lost
 # A worker's first word after its WELCOME may take this long at least (a handshake of
-# thousands of tensors on a loaded host) before the publisher calls it silent.
+# thousands of tensors on a loaded host) before the publisher calls it silent, plus this
+# much per tensor of the manifest: a worker maps, checks and views every tensor before it
+# can ack, and 100,000 of them took 5-12 s on a loaded 2-core host (dropped as silent at
+# a flat 5 s, it re-joined and paid it all again).
 FIRST_WORD_S = 5.0
+FIRST_WORD_PER_TENSOR_S = 0.0002
 # A re-join's first deadline at least (then doubled while they fail; see Link).
 REJOIN_MIN_S = 2.0
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # the largest message of all: a WELCOME or a STATE

@@ -20,8 +20,8 @@ comes back. The rules, in the order a worker meets them:
   still beats with a session this bus dropped missed its STOP: `gone` sends it again.
 * **Liveness** (`drop_silent`): a HEARTBEAT carrying the last event seq (gap detection
   for subscribers), and a STOP for every worker silent for LOST_AFTER_BEATS heartbeats
-  (a worker not heard from since its WELCOME: FIRST_WORD_S at least, for its
-  handshake), counted once what workers sent is read.
+  (a worker not heard from since its WELCOME: FIRST_WORD_S at least, and more for a
+  manifest of many tensors, for its handshake), counted once what workers sent is read.
 * **Events** are numbered here (`seq`): whoever sends them holds the lock that orders
   the sends on the events socket, and takes the next number under it.
 
@@ -37,7 +37,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 
 from ._buffers.transport import registered
-from ._config import FIRST_WORD_S, LOST_AFTER_BEATS
+from ._config import FIRST_WORD_PER_TENSOR_S, FIRST_WORD_S, LOST_AFTER_BEATS
 from ._errors import ProtocolError
 from ._handshake_queue import HandshakeQueue
 from ._histogram import BLOCKED_IN_PUBLISH, BLOCKED_IN_STEP, PUBLISH, record
@@ -90,7 +90,8 @@ class PublisherRole:
         self.heartbeat = heartbeat
         self.slot_bytes, self.manifest = slot_bytes, manifest
         self.max_workers, self.handshake_rate = max_workers, handshake_rate
-        self.registry = Registry(slots, first_word_s=FIRST_WORD_S)
+        first_word_s = FIRST_WORD_S + FIRST_WORD_PER_TENSOR_S * len(manifest)
+        self.registry = Registry(slots, first_word_s=first_word_s)
         self.counters: Counter[str] = Counter()
         self.seq = 0  # of the last event sent (RECEIVE or STOP)
         self.endpoints = Endpoints("", "", "", ())
