@@ -472,6 +472,22 @@ def test_byte_copies_share_only_a_big_plan_among_threads(monkeypatch):
     assert ByteCopies(plan).threads == 1, "the Python fallback copies on this thread"
 
 
+def test_byte_copies_copy_a_plan_past_the_streaming_threshold_whole(monkeypatch):
+    """Past SHARED_COPY_MAX a plan runs on one thread: glibc's memcpy streams a copy that
+    big, and a shared copy's chunks never would. The bytes arrive either way."""
+    monkeypatch.setattr(_copy, "COPY_THREADS", 3)
+    monkeypatch.setattr(_copy, "SHARED_COPY_MIN", 1 << 10)
+    monkeypatch.setattr(_copy, "SHARED_COPY_MAX", 1 << 20)
+    src = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8)
+    dst = torch.zeros_like(src)
+    for nbytes, threads in ((1 << 10, 3), (1 << 20, 3), ((1 << 20) + 1, 1), (3 << 20, 1)):
+        dst.zero_()
+        copies = ByteCopies([(dst.data_ptr(), src.data_ptr(), nbytes)])
+        assert copies.threads == threads, nbytes
+        copies.run()
+        assert torch.equal(dst[:nbytes], src[:nbytes]) and not dst[nbytes:].any(), nbytes
+
+
 @pytest.mark.parametrize(
     ("setting", "expected"), [("1", 1), ("3", 3), ("64", 64), ("0", None), ("two", None)]
 )

@@ -36,6 +36,7 @@ __all__ = [
     "MEMMOVE_ALL_MAX",
     "NATIVE_CAST",
     "NATIVE_COPY",
+    "SHARED_COPY_MAX",
     "SHARED_COPY_MIN",
     "Bf16Casts",
     "ByteCopies",
@@ -134,6 +135,16 @@ COPY_THREADS = _copy_threads()
 # torch's copy_ (its OpenMP threads wait for each other).
 SHARED_COPY_MIN = 16 << 20
 
+# ...and a plan of more than this many bytes is copied whole, on one thread. glibc's
+# memcpy switches to non-temporal stores for a copy past its threshold (3/4 of the
+# shared cache: 190 MiB here, `ld.so --list-diagnostics`, x86.non_temporal_threshold),
+# and a shared copy's 512 KiB chunks never reach it. A copy from /dev/shm into private
+# memory, alternated (load 5-7): 200 MiB 15.7 ms whole against 28.1 ms shared among two
+# threads; 1100 MiB (the LLM-shaped model's block) 92 against 163 ms; 128 MiB 18.0
+# against 18.1 ms. One thread streaming already takes the memory's bandwidth: two such
+# copies side by side in two processes took 190-200 ms for 1100 MiB each.
+SHARED_COPY_MAX = 128 << 20
+
 
 # A cast writing at least this many bytes uses non-temporal stores: they bypass the
 # caches, which pays once the destination is far bigger than them. Here (float32 source
@@ -183,7 +194,11 @@ class Bf16Casts:
 
 def shares_copy(nbytes: int) -> bool:
     """Whether a native copy of `nbytes` bytes is shared among `COPY_THREADS` threads."""
-    return NATIVE_COPY is not None and COPY_THREADS > 1 and nbytes >= SHARED_COPY_MIN
+    return (
+        NATIVE_COPY is not None
+        and COPY_THREADS > 1
+        and SHARED_COPY_MIN <= nbytes <= SHARED_COPY_MAX
+    )
 
 
 class ByteCopies:
@@ -191,9 +206,10 @@ class ByteCopies:
 
     With the native extension they are one call that walks the plan without the GIL: a
     worker's copy of a 2,000-tensor model took ~130 ns of interpreter per tensor
-    otherwise, more than the bytes. A plan of `SHARED_COPY_MIN` bytes or more is shared
-    among `COPY_THREADS` threads. Without the extension, each small copy is a memoryview
-    assignment (`byte_view`) and each big one a ctypes.memmove (which drops the GIL).
+    otherwise, more than the bytes. A plan of `SHARED_COPY_MIN` to `SHARED_COPY_MAX`
+    bytes is shared among `COPY_THREADS` threads. Without the extension, each small
+    copy is a memoryview assignment (`byte_view`) and each big one a ctypes.memmove
+    (which drops the GIL).
     The caller vouches that every address holds its byte count while the plan is used,
     and that no two ranges overlap.
     """
