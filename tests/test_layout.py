@@ -472,20 +472,33 @@ def test_byte_copies_share_only_a_big_plan_among_threads(monkeypatch):
     assert ByteCopies(plan).threads == 1, "the Python fallback copies on this thread"
 
 
-def test_byte_copies_copy_a_plan_past_the_streaming_threshold_whole(monkeypatch):
-    """Past SHARED_COPY_MAX a plan runs on one thread: glibc's memcpy streams a copy that
-    big, and a shared copy's chunks never would. The bytes arrive either way."""
+def test_byte_copies_copy_a_plan_with_a_copy_past_the_streaming_threshold_whole(monkeypatch):
+    """A plan holding a copy over SHARED_COPY_MAX runs on one thread: glibc's memcpy
+    streams a copy that big, and a shared copy's chunks never would. Many copies under
+    it, however many bytes in all, are still shared. The bytes arrive either way."""
     monkeypatch.setattr(_copy, "COPY_THREADS", 3)
     monkeypatch.setattr(_copy, "SHARED_COPY_MIN", 1 << 10)
     monkeypatch.setattr(_copy, "SHARED_COPY_MAX", 1 << 20)
-    src = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8)
+    src = torch.randint(0, 256, (4 << 20,), dtype=torch.uint8)
     dst = torch.zeros_like(src)
-    for nbytes, threads in ((1 << 10, 3), (1 << 20, 3), ((1 << 20) + 1, 1), (3 << 20, 1)):
+    mib = 1 << 20
+    cases = [
+        ([1 << 10], 3),
+        ([mib], 3),
+        ([mib + 1], 1),
+        ([mib] * 3, 3),
+        ([mib, mib + 1], 1),
+    ]
+    for sizes, threads in cases:
         dst.zero_()
-        copies = ByteCopies([(dst.data_ptr(), src.data_ptr(), nbytes)])
-        assert copies.threads == threads, nbytes
+        moves, at = [], 0
+        for n in sizes:
+            moves.append((dst.data_ptr() + at, src.data_ptr() + at, n))
+            at += n
+        copies = ByteCopies(moves)
+        assert copies.threads == threads, sizes
         copies.run()
-        assert torch.equal(dst[:nbytes], src[:nbytes]) and not dst[nbytes:].any(), nbytes
+        assert torch.equal(dst[:at], src[:at]) and not dst[at:].any(), sizes
 
 
 @pytest.mark.parametrize(

@@ -135,14 +135,16 @@ COPY_THREADS = _copy_threads()
 # torch's copy_ (its OpenMP threads wait for each other).
 SHARED_COPY_MIN = 16 << 20
 
-# ...and a plan of more than this many bytes is copied whole, on one thread. glibc's
-# memcpy switches to non-temporal stores for a copy past its threshold (3/4 of the
-# shared cache: 190 MiB here, `ld.so --list-diagnostics`, x86.non_temporal_threshold),
-# and a shared copy's 512 KiB chunks never reach it. A copy from /dev/shm into private
-# memory, alternated (load 5-7): 200 MiB 15.7 ms whole against 28.1 ms shared among two
-# threads; 1100 MiB (the LLM-shaped model's block) 92 against 163 ms; 128 MiB 18.0
-# against 18.1 ms. One thread streaming already takes the memory's bandwidth: two such
-# copies side by side in two processes took 190-200 ms for 1100 MiB each.
+# ...unless one of its copies is bigger than this: then it runs whole, on one thread.
+# glibc's memcpy switches to non-temporal stores for a copy past its threshold (3/4 of
+# the shared cache: 181.5 MiB here, x86.non_temporal_threshold in `ld.so
+# --list-diagnostics`), and a shared copy's 512 KiB chunks never reach it. One copy from
+# /dev/shm into private memory, alternated (load 5-7): 200 MiB 15.7 ms whole against
+# 28.1 ms shared among two threads, 1100 MiB (the LLM-shaped model's block) 92 against
+# 163 ms; below the threshold sharing still pays (160 MiB: 27.7 ms whole, 22.1 shared; the 512
+# MB MLP, four copies of 128 MB, 87 against 71 ms per publish). One thread streaming
+# takes the memory's bandwidth: two such copies side by side in two processes took
+# 190-200 ms for 1100 MiB each.
 SHARED_COPY_MAX = 128 << 20
 
 
@@ -192,12 +194,15 @@ class Bf16Casts:
         return left
 
 
-def shares_copy(nbytes: int) -> bool:
-    """Whether a native copy of `nbytes` bytes is shared among `COPY_THREADS` threads."""
+def shares_copy(sizes: Iterable[int]) -> bool:
+    """Whether a native plan of copies of `sizes` bytes is shared among `COPY_THREADS`
+    threads: `SHARED_COPY_MIN` bytes in all, none over `SHARED_COPY_MAX`."""
+    sizes = list(sizes)
     return (
         NATIVE_COPY is not None
         and COPY_THREADS > 1
-        and SHARED_COPY_MIN <= nbytes <= SHARED_COPY_MAX
+        and sum(sizes) >= SHARED_COPY_MIN
+        and max(sizes) <= SHARED_COPY_MAX
     )
 
 
@@ -206,10 +211,10 @@ class ByteCopies:
 
     With the native extension they are one call that walks the plan without the GIL: a
     worker's copy of a 2,000-tensor model took ~130 ns of interpreter per tensor
-    otherwise, more than the bytes. A plan of `SHARED_COPY_MIN` to `SHARED_COPY_MAX`
-    bytes is shared among `COPY_THREADS` threads. Without the extension, each small
-    copy is a memoryview assignment (`byte_view`) and each big one a ctypes.memmove
-    (which drops the GIL).
+    otherwise, more than the bytes. A plan of `SHARED_COPY_MIN` bytes or more is shared
+    among `COPY_THREADS` threads unless one copy is over `SHARED_COPY_MAX`. Without the
+    extension, each small copy is a memoryview assignment (`byte_view`) and each big one
+    a ctypes.memmove (which drops the GIL).
     The caller vouches that every address holds its byte count while the plan is used,
     and that no two ranges overlap.
     """
@@ -225,7 +230,7 @@ class ByteCopies:
         self._memmoves: list[tuple[int, int, int]] = []
         if self._native is not None:
             self._plan.extend(word for move in moves for word in move)
-            if shares_copy(sum(nbytes for _, _, nbytes in moves)):
+            if moves and shares_copy(nbytes for _, _, nbytes in moves):
                 self._threads = COPY_THREADS
         else:
             for dst, src, nbytes in moves:
