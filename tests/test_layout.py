@@ -431,30 +431,37 @@ def test_byte_copies_write_exactly_the_planned_ranges(monkeypatch, native):
             source.random_(0, 256)
 
 
+@pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("ranges", ["few", "many"])
 @pytest.mark.parametrize("threads", [1, 2, 3, 8])
-def test_a_native_copy_shared_among_threads_writes_exactly_the_planned_ranges(threads, ranges):
+def test_a_native_copy_shared_among_threads_writes_exactly_the_planned_ranges(
+    threads, ranges, stream
+):
     """The helpers take 512 KiB chunks of the plan's bytes: chunks start and end inside
     ranges, ranges (0 and 1 byte among them) fall inside one chunk, and with thousands of
-    ranges each chunk finds its first one by a search."""
+    ranges each chunk finds its first one by a search. Streamed (non-temporal stores from
+    the destination's 32-byte boundary, the unaligned head and tail by memmove), the
+    bytes are memmove's: the destinations start 8 bytes into their buffers, the sources
+    3 bytes in."""
     copy_many = _copy.NATIVE_COPY
     assert copy_many is not None
     if ranges == "few":
         sizes = [(1 << 20) + 3, 0, 1, 5, (512 << 10) - 1, 3 << 20, 77, (2 << 20) + 1]
     else:
         sizes = torch.randint(0, 2500, (3000,), generator=torch.Generator().manual_seed(7)).tolist()
-    sources = [torch.randint(0, 256, (n,), dtype=torch.uint8) for n in sizes]
+    buffers = [torch.randint(0, 256, (n + 3,), dtype=torch.uint8) for n in sizes]
+    sources = [b[3:] for b in buffers]
     targets = [torch.zeros(n + 16, dtype=torch.uint8) for n in sizes]  # 8 guard bytes a side
     plan = array("Q")
     for t, s, n in zip(targets, sources, sizes, strict=True):
         plan.extend((t.data_ptr() + 8, s.data_ptr(), n))
     for _ in range(3):
-        copy_many(plan, threads)
+        copy_many(plan, threads, stream)
         for target, source, n in zip(targets, sources, sizes, strict=True):
             assert torch.equal(target[8 : 8 + n], source), n
             assert not target[:8].any() and not target[8 + n :].any(), n
-        for source in sources:
-            source.random_(0, 256)
+        for buffer in buffers:
+            buffer.random_(0, 256)
 
 
 def test_byte_copies_share_only_a_big_plan_among_threads(monkeypatch):
@@ -470,6 +477,48 @@ def test_byte_copies_share_only_a_big_plan_among_threads(monkeypatch):
     assert bool((big[2] == 9).all())
     monkeypatch.setattr(_copy, "NATIVE_COPY", None)
     assert ByteCopies(plan).threads == 1, "the Python fallback copies on this thread"
+
+
+def test_byte_copies_share_stream_or_copy_whole_as_the_plan_says(monkeypatch):
+    """A plan holding a copy over SHARED_COPY_MAX runs whole on one thread (glibc's
+    memcpy streams a copy that big; a shared copy's pieces never would); a shared plan of
+    STREAM_COPY_MIN bytes or more is written with non-temporal stores. The bytes arrive
+    every way."""
+    calls: list[tuple[int, bool]] = []
+    native = _copy.NATIVE_COPY
+    assert native is not None
+
+    def recording(plan: array, threads: int, stream: bool) -> None:
+        calls.append((threads, stream))
+        native(plan, threads, stream)
+
+    monkeypatch.setattr(_copy, "NATIVE_COPY", recording)
+    monkeypatch.setattr(_copy, "COPY_THREADS", 3)
+    monkeypatch.setattr(_copy, "SHARED_COPY_MIN", 1 << 10)
+    monkeypatch.setattr(_copy, "SHARED_COPY_MAX", 1 << 20)
+    monkeypatch.setattr(_copy, "STREAM_COPY_MIN", 2 << 20)
+    src = torch.randint(0, 256, (5 << 20,), dtype=torch.uint8)
+    dst = torch.zeros_like(src)
+    mib = 1 << 20
+    cases = [
+        ([100], (1, False)),  # small: one thread
+        ([1 << 10], (3, False)),  # shared
+        ([mib] * 2, (3, True)),  # shared and streamed
+        ([mib, mib + 1], (1, False)),  # one copy past SHARED_COPY_MAX: whole
+        ([(3 * mib) + 5], (1, False)),
+    ]
+    for sizes, expected in cases:
+        dst.zero_()
+        moves, at = [], 0
+        for n in sizes:
+            moves.append((dst.data_ptr() + at, src.data_ptr() + at, n))
+            at += n
+        calls.clear()
+        copies = ByteCopies(moves)
+        assert copies.threads == expected[0], sizes
+        copies.run()
+        assert calls == [expected], sizes
+        assert torch.equal(dst[:at], src[:at]) and not dst[at:].any(), sizes
 
 
 @pytest.mark.parametrize(

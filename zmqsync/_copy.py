@@ -36,7 +36,9 @@ __all__ = [
     "MEMMOVE_ALL_MAX",
     "NATIVE_CAST",
     "NATIVE_COPY",
+    "SHARED_COPY_MAX",
     "SHARED_COPY_MIN",
+    "STREAM_COPY_MIN",
     "Bf16Casts",
     "ByteCopies",
     "ByteMove",
@@ -134,6 +136,21 @@ COPY_THREADS = _copy_threads()
 # torch's copy_ (its OpenMP threads wait for each other).
 SHARED_COPY_MIN = 16 << 20
 
+# ...unless one of its copies is bigger than this: then it runs whole, on one thread.
+# glibc's memcpy writes a copy past its threshold (3/4 of the shared cache: 181.5 MiB
+# here, x86.non_temporal_threshold in `ld.so --list-diagnostics`) with non-temporal
+# stores, and a shared copy's 512 KiB pieces never reach it. One copy from /dev/shm into
+# private memory, alternated (load 5-7): 200 MiB 15.7 ms whole against 28.1 ms shared
+# among two threads, 1100 MiB (the LLM-shaped model's block) 92 against 163 ms. In the
+# bench, 4 copy workers of that model: 279-282 ms whole, 316-444 ms shared and streamed.
+SHARED_COPY_MAX = 128 << 20
+
+# A shared plan of at least this many bytes in all is written with non-temporal stores
+# (the native loop's `stream`), as memcpy would write it whole: 512 MiB in four copies of
+# 128 MiB, 63 ms streamed against 77 ms plain (shared among two threads); the 512 MB MLP
+# to one copy worker in the bench, 79 against 85 ms per publish.
+STREAM_COPY_MIN = 128 << 20
+
 
 # A cast writing at least this many bytes uses non-temporal stores: they bypass the
 # caches, which pays once the destination is far bigger than them. Here (float32 source
@@ -181,9 +198,16 @@ class Bf16Casts:
         return left
 
 
-def shares_copy(nbytes: int) -> bool:
-    """Whether a native copy of `nbytes` bytes is shared among `COPY_THREADS` threads."""
-    return NATIVE_COPY is not None and COPY_THREADS > 1 and nbytes >= SHARED_COPY_MIN
+def shares_copy(sizes: Iterable[int]) -> bool:
+    """Whether a native plan of copies of `sizes` bytes is shared among `COPY_THREADS`
+    threads: `SHARED_COPY_MIN` bytes in all, none over `SHARED_COPY_MAX`."""
+    sizes = list(sizes)
+    return (
+        NATIVE_COPY is not None
+        and COPY_THREADS > 1
+        and sum(sizes) >= SHARED_COPY_MIN
+        and max(sizes) <= SHARED_COPY_MAX
+    )
 
 
 class ByteCopies:
@@ -192,25 +216,29 @@ class ByteCopies:
     With the native extension they are one call that walks the plan without the GIL: a
     worker's copy of a 2,000-tensor model took ~130 ns of interpreter per tensor
     otherwise, more than the bytes. A plan of `SHARED_COPY_MIN` bytes or more is shared
-    among `COPY_THREADS` threads. Without the extension, each small copy is a memoryview
-    assignment (`byte_view`) and each big one a ctypes.memmove (which drops the GIL).
-    The caller vouches that every address holds its byte count while the plan is used,
-    and that no two ranges overlap.
+    among `COPY_THREADS` threads unless one copy is over `SHARED_COPY_MAX` (memcpy streams
+    that one itself), and a shared plan of `STREAM_COPY_MIN` or more is streamed. Without
+    the extension, each small copy is a memoryview assignment (`byte_view`) and each big
+    one a ctypes.memmove (which drops the GIL). The caller vouches that every address
+    holds its byte count while the plan is used, and that no two ranges overlap.
     """
 
-    __slots__ = ("_native", "_plan", "_threads", "_views", "_memmoves")
+    __slots__ = ("_native", "_plan", "_threads", "_stream", "_views", "_memmoves")
 
     def __init__(self, moves: Iterable[tuple[int, int, int]]) -> None:
         moves = [move for move in moves if move[2]]
         self._native = NATIVE_COPY
         self._plan = array("Q")  # the native loop's triples; the views and memmoves otherwise
         self._threads = 1
+        self._stream = False
         self._views: list[tuple[memoryview, memoryview]] = []
         self._memmoves: list[tuple[int, int, int]] = []
         if self._native is not None:
             self._plan.extend(word for move in moves for word in move)
-            if shares_copy(sum(nbytes for _, _, nbytes in moves)):
+            sizes = [nbytes for _, _, nbytes in moves]
+            if sizes and shares_copy(sizes):
                 self._threads = COPY_THREADS
+                self._stream = sum(sizes) >= STREAM_COPY_MIN
         else:
             for dst, src, nbytes in moves:
                 if by_view(nbytes):
@@ -225,7 +253,7 @@ class ByteCopies:
 
     def run(self) -> None:
         if self._native is not None:
-            self._native(self._plan, self._threads)
+            self._native(self._plan, self._threads, self._stream)
             return
         for dst, src in self._views:
             dst[:] = src

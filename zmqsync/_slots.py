@@ -134,7 +134,8 @@ class Slots:
             plan = (block, block.copies(self.flat(slot), into_slot=True))
             self._block_plans[slot] = plan
         self.begin(slot)
-        # one native copy (shared among threads from SHARED_COPY_MIN up), not torch's
+        # one native copy (shared among threads from SHARED_COPY_MIN up to SHARED_COPY_MAX,
+        # whole past it), not torch's
         # copy_: its OpenMP threads took 6-7 ms for these 4 MB beside a copy-mode worker
         # (0.28 ms here)
         plan[1].run()
