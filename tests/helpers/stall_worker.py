@@ -49,7 +49,11 @@ def main() -> int:
         on_update=lambda version: report(version),
     )
     with sub:
-        report(sub.version)
+        # on_update reported the version applied at the join already: reporting it again
+        # from this thread could hash the tensors while the agent applies the next
+        # version into them (a torn digest of a version that was whole)
+        if last[0] < 0:
+            report(sub.version)
         while not sub.stopped:
             time.sleep(0.05)
     print(json.dumps({"event": "summary", "last_version": last[0]}), flush=True)
