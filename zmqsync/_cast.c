@@ -230,25 +230,15 @@ PyObject *zs_cast_bf16(PyObject *self, PyObject *args)
     if (!PyArg_ParseTuple(args, "O|ipO:cast_bf16", &plan, &threads, &stream, &name)) {
         return NULL;
     }
-    if (threads < 1 || threads > ZS_MAX_THREADS) {
-        PyErr_Format(PyExc_ValueError, "cast_bf16: threads must be 1 to %d, not %d",
-                     ZS_MAX_THREADS, threads);
-        return NULL;
-    }
     const int isa = isa_of(name);
     if (isa < 0) {
         return NULL;
     }
     Py_buffer view;
-    if (PyObject_GetBuffer(plan, &view, PyBUF_SIMPLE) < 0) {
+    size_t triples;
+    if (zs_plan_view(plan, threads, "cast_bf16", &view, &triples) < 0) {
         return NULL;
     }
-    if (view.len % (3 * (Py_ssize_t)sizeof(uint64_t)) != 0) {
-        PyBuffer_Release(&view);
-        PyErr_SetString(PyExc_ValueError, "cast_bf16: the plan must hold whole uint64 triples");
-        return NULL;
-    }
-    const size_t triples = (size_t)view.len / (3 * sizeof(uint64_t));
     const char *words = (const char *)view.buf;
     const zs_span_fn span = spans[isa][stream ? 1 : 0];
     Py_BEGIN_ALLOW_THREADS

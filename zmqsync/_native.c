@@ -175,6 +175,25 @@ static void *helper(void *arg)
 
 /* Run the plan on `threads` threads (this one and threads - 1 helpers); a plan of one
  * chunk or less on this thread alone. */
+int zs_plan_view(PyObject *plan, int threads, const char *who, Py_buffer *view,
+                 size_t *triples) {
+    if (threads < 1 || threads > ZS_MAX_THREADS) {
+        PyErr_Format(PyExc_ValueError, "%s: threads must be 1 to %d, not %d", who,
+                     ZS_MAX_THREADS, threads);
+        return -1;
+    }
+    if (PyObject_GetBuffer(plan, view, PyBUF_SIMPLE) < 0) {
+        return -1;
+    }
+    if (view->len % (3 * (Py_ssize_t)sizeof(uint64_t)) != 0) {
+        PyBuffer_Release(view);
+        PyErr_Format(PyExc_ValueError, "%s: the plan must hold whole uint64 triples", who);
+        return -1;
+    }
+    *triples = (size_t)view->len / (3 * sizeof(uint64_t));
+    return 0;
+}
+
 void zs_run_plan(const char *words, size_t triples, int threads, zs_span_fn span,
                  uint64_t chunk)
 {
@@ -246,21 +265,11 @@ static PyObject *copy_many(PyObject *self, PyObject *args)
     if (!PyArg_ParseTuple(args, "O|ip:copy_many", &plan, &threads, &stream)) {
         return NULL;
     }
-    if (threads < 1 || threads > ZS_MAX_THREADS) {
-        PyErr_Format(PyExc_ValueError, "copy_many: threads must be 1 to %d, not %d",
-                     ZS_MAX_THREADS, threads);
-        return NULL;
-    }
     Py_buffer view;
-    if (PyObject_GetBuffer(plan, &view, PyBUF_SIMPLE) < 0) {
+    size_t triples;
+    if (zs_plan_view(plan, threads, "copy_many", &view, &triples) < 0) {
         return NULL;
     }
-    if (view.len % (3 * (Py_ssize_t)sizeof(uint64_t)) != 0) {
-        PyBuffer_Release(&view);
-        PyErr_SetString(PyExc_ValueError, "copy_many: the plan must hold whole uint64 triples");
-        return NULL;
-    }
-    const size_t triples = (size_t)view.len / (3 * sizeof(uint64_t));
     const char *words = (const char *)view.buf;
     Py_BEGIN_ALLOW_THREADS
     zs_run_plan(words, triples, threads, stream ? stream_bytes : copy_bytes, CHUNK_BYTES);

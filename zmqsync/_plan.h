@@ -18,4 +18,11 @@ typedef void (*zs_span_fn)(uint64_t dst, uint64_t src, uint64_t at, uint64_t n);
 void zs_run_plan(const char *words, size_t triples, int threads, zs_span_fn span,
                  uint64_t chunk);
 
+/* The checks every caller of a plan makes on its Python arguments (`who` names it in
+ * the errors): threads in [1, ZS_MAX_THREADS], `plan` a buffer of whole uint64 triples.
+ * On success `view` holds the buffer (release it) and `*triples` their count; on failure
+ * a Python error is set and -1 returned (nothing to release). Needs Python.h first. */
+int zs_plan_view(PyObject *plan, int threads, const char *who, Py_buffer *view,
+                 size_t *triples);
+
 #endif
