@@ -28,12 +28,6 @@ class Announcer:
         self._bits: dict[frozenset[Key], bytes] = {}  # tensors named -> RECEIVE.changed
         self._sizes: dict[frozenset[Key] | None, int] = {None: layout.nbytes}  # -> bytes
 
-    def announce(self, version: int, slot: int, named: frozenset[Key] | None) -> None:
-        """`version` is in `slot` (its header says so): record it, then send RECEIVE.
-        `named`: the tensors it changed, for copy-mode workers (None: all of them)."""
-        self.record(version, slot, self.size_of(named))
-        self.send(version, slot, named)
-
     def record(self, version: int, slot: int, written: int) -> None:
         """`version` is in `slot`; writing it copied `written` bytes into the slot (the
         ``written_bytes`` counter: a partial publish writes less than a version)."""
