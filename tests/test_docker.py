@@ -20,6 +20,7 @@ engine, or the packages can be neither found nor installed).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -369,6 +370,22 @@ class Project:
             for net in self.d.ids(self.name, kind="network"):
                 self.d("network", "rm", net, timeout=60, check=False)
 
+    @contextlib.contextmanager
+    def running(self, services: list[str]) -> Iterator[list[str]]:
+        """`up -d`, yielding the containers of `services`; on leaving: the logs' tail if
+        the block failed, `down`, and (when it passed) nothing of the project left."""
+        containers: list[str] = []
+        try:
+            self.compose("up", "-d", "--no-build", timeout=240)
+            containers.extend(self.container(s) for s in services)
+            yield containers
+        except BaseException:
+            print(self.logs_tail())
+            raise
+        finally:
+            self.down()
+        self.assert_gone(containers)
+
     def assert_gone(self, containers: list[str]) -> None:
         assert self.d.ids(self.name) == [], "containers left behind"
         assert self.d.ids(self.name, kind="volume") == [], "volumes left behind"
@@ -425,12 +442,9 @@ def test_compose_three_workers_kill_and_restart(docker: Docker) -> None:
     """Trainer + 3 workers + sniffer sharing the trainer's IPC and network namespaces."""
     before = host_segments()
     project = Project(docker, [COMPOSE], ZMQSYNC_UPDATES="40", ZMQSYNC_INTERVAL="0.5")
-    containers: list[str] = []
-    try:
-        project.compose("up", "-d", "--no-build", timeout=240)
+    services = ["trainer", *WORKERS, "sniffer"]
+    with project.running(services):
         trainer = project.container("trainer")
-        services = ["trainer", *WORKERS, "sniffer"]
-        containers = [project.container(s) for s in services]
 
         # isolation: only loopback, in one namespace that the trainer owns; no network
         for service in services:
@@ -545,12 +559,6 @@ def test_compose_three_workers_kill_and_restart(docker: Docker) -> None:
             r["type"] == "hello" and r["peer"] == "worker-3" and r["ts"] > killed_at for r in seen
         ), "sniffer: worker-3 did not re-join"
         assert all(r["dir"] == "in" for r in seen if r["type"] == "ack")
-    except BaseException:
-        print(project.logs_tail())
-        raise
-    finally:
-        project.down()
-    project.assert_gone(containers)
     assert host_segments() == before
 
 
@@ -559,10 +567,7 @@ def test_compose_three_workers_kill_and_restart(docker: Docker) -> None:
 def test_compose_tmpfs_volume_variant(docker: Docker) -> None:
     """Private IPC namespaces; the segment lives in a tmpfs volume shared by all."""
     project = Project(docker, [COMPOSE, TMPFS], ZMQSYNC_UPDATES="12", ZMQSYNC_INTERVAL="0.4")
-    containers: list[str] = []
-    try:
-        project.compose("up", "-d", "--no-build", timeout=240)
-        containers = [project.container(s) for s in ("trainer", *WORKERS, "sniffer")]
+    with project.running(["trainer", *WORKERS, "sniffer"]):
         for service in ("trainer", *WORKERS):
             assert docker.inspect(project.container(service))["HostConfig"]["IpcMode"] == "private"
         (volume,) = docker.ids(project.name, kind="volume")
@@ -584,12 +589,6 @@ def test_compose_tmpfs_volume_variant(docker: Docker) -> None:
             check_worker(w, project.records(w), done["version"])
         # close() unlinked the segment: the volume is empty before `down -v` drops it
         assert_volume_empty(docker, volume)
-    except BaseException:
-        print(project.logs_tail())
-        raise
-    finally:
-        project.down()
-    project.assert_gone(containers)
 
 
 @pytest.mark.slow
@@ -606,11 +605,8 @@ def test_compose_curve_variant(docker: Docker) -> None:
         ZMQSYNC_INTERVAL="0.4",
         ZMQSYNC_PUBLISH_TIMEOUT="2",
     )
-    containers: list[str] = []
     address = "tcp://127.0.0.1:5555"
-    try:
-        project.compose("up", "-d", "--no-build", timeout=240)
-        containers = [project.container(s) for s in ("trainer", *WORKERS, "sniffer")]
+    with project.running(["trainer", *WORKERS, "sniffer"]):
         started = wait_until(project.event("started"), 120, "the trainer to start")
         assert started["curve"] is True
         worker = project.container("worker-1")
@@ -650,12 +646,6 @@ def test_compose_curve_variant(docker: Docker) -> None:
         # close() removed the keys: the volume is empty before `down -v` drops it
         (volume,) = docker.ids(project.name, kind="volume")
         assert_volume_empty(docker, volume)
-    except BaseException:
-        print(project.logs_tail())
-        raise
-    finally:
-        project.down()
-    project.assert_gone(containers)
 
 
 # run inside the exporter's container: the scrape as Prometheus would make it
@@ -674,7 +664,6 @@ def test_compose_metrics_variant(docker: Docker) -> None:
     from prometheus_client.parser import text_string_to_metric_families
 
     project = Project(docker, [COMPOSE, METRICS], ZMQSYNC_UPDATES="30", ZMQSYNC_INTERVAL="0.3")
-    containers: list[str] = []
 
     def scrape() -> dict[tuple[str, tuple[tuple[str, str], ...]], float] | None:
         exporter = project.container("exporter")
@@ -696,9 +685,7 @@ def test_compose_metrics_variant(docker: Docker) -> None:
 
         return check
 
-    try:
-        project.compose("up", "-d", "--no-build", timeout=240)
-        containers = [project.container(s) for s in ("trainer", *WORKERS, "sniffer", "exporter")]
+    with project.running(["trainer", *WORKERS, "sniffer", "exporter"]):
         wait_until(project.event("joined"), 180, "3 workers to join")
         wait_until(project.event("published", version=3), 120, "version 3")
         samples = wait_until(up(1.0), 120, "the exporter to report the bus")
@@ -712,12 +699,6 @@ def test_compose_metrics_variant(docker: Docker) -> None:
         done = wait_until(project.event("done"), 300, "the trainer to finish", poll=1.0)
         assert done["rc"] == 0
         wait_until(up(0.0), 120, "zmqsync_up 0 once the trainer is gone")
-    except BaseException:
-        print(project.logs_tail())
-        raise
-    finally:
-        project.down()
-    project.assert_gone(containers)
 
 
 @pytest.mark.slow  # its fixture may install Docker and build the images
