@@ -34,7 +34,7 @@ import zmqsync
 
 _WORKER = r"""
 import sys, torch, zmq, zmqsync
-mode, name, raw_events, raw_acks, kind = sys.argv[1:6]
+mode, name, raw_events, raw_acks, kind, flat = sys.argv[1:7]
 if kind == "many":
     from zmqsync._bench_worker import make_model
     model = make_model("many", 0, fill=False)[0]
@@ -46,7 +46,7 @@ sub.connect(raw_events)
 sub.subscribe(b"")
 push = ctx.socket(zmq.PUSH)
 push.connect(raw_acks)
-with zmqsync.Subscriber(name=name, model=model, mode=mode):
+with zmqsync.Subscriber(name=name, model=model, mode=mode, flat=flat == "flat"):
     while True:
         msg = sub.recv()
         if msg == b"quit":
@@ -81,6 +81,9 @@ def main() -> int:
     parser.add_argument("--iters", type=int, default=3000, help="rounds per phase")
     parser.add_argument("--rounds", type=int, default=1, help="alternations of the phases")
     parser.add_argument("--model", choices=("4k", "many"), default="4k", help="many: 2,000 x 2 KB")
+    parser.add_argument(
+        "--flat", action="store_true", help="the flat layout on both sides (as the bench's many)"
+    )
     args = parser.parse_args()
     n, iters = args.workers, args.iters
     rundir = tempfile.mkdtemp(prefix="zmqsync-cpu-")
@@ -95,7 +98,8 @@ def main() -> int:
     procs: list[subprocess.Popen[bytes]] = []
     rows: dict[str, list[float]] = {}
     try:
-        with zmqsync.Publisher(_model(args.model), name=name, timeout=30) as pub:
+        writes = zmqsync.Copy(flat=args.flat)
+        with zmqsync.Publisher(_model(args.model), name=name, timeout=30, writes=writes) as pub:
             procs = [
                 subprocess.Popen(
                     [
@@ -106,6 +110,7 @@ def main() -> int:
                         name,
                         *_raw_endpoints(rundir),
                         args.model,
+                        "flat" if args.flat else "blocks",
                     ]
                 )
                 for _ in range(n)
@@ -155,7 +160,8 @@ def main() -> int:
         ctx.destroy(linger=0)
         shutil.rmtree(rundir, ignore_errors=True)
     what = "2,000-tensor" if args.model == "many" else "4 KB"
-    print(f"{n} workers, {args.mode} mode, {what} model, {iters} rounds x {args.rounds}")
+    layout = ", flat" if args.flat else ""
+    print(f"{n} workers, {args.mode} mode{layout}, {what} model, {iters} rounds x {args.rounds}")
     print(f"{'µs per round (median of the rounds)':40s} {'value':>8s}")
     for key, values in rows.items():
         if key != "raw publisher agent":
