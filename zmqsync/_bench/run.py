@@ -370,6 +370,10 @@ class Run:
 
     def torchrl_for(self, n: int) -> None:
         """torchrl's SharedMemWeightSyncScheme with n receivers, in a killable subprocess."""
+        # the pool's workers keep the last size's model (an LLM-shaped one is 1.1 GB each)
+        # and torchrl's receivers make theirs: drop the pool's first (the OOM killer ended
+        # a full run's harness here, at 4 workers, before that)
+        self.pool.reset(n)
         points = self.torchrl.plan(n)
         if not points:
             return

@@ -85,6 +85,16 @@ class TorchrlBaseline:
                 elif held + (1 if variant == "collector" else 2) * s > cfg.mem_budget:
                     budget = gib(cfg.mem_budget)
                     reason = f"skipped: torchrl holds every size at once; over {budget}"
+                elif (
+                    available is not None
+                    and (need := processes + held + ((1 if variant == "collector" else 2) + n) * s)
+                    > available - SAFETY
+                ):
+                    # besides the sender's buffers, each receiver builds its own model
+                    reason = (
+                        f"skipped: {n} receivers with a model each need about {gib(need)}, "
+                        f"{gib(available)} available"
+                    )
                 if reason:
                     self.record(n, key, variant, status=reason)
                     continue
