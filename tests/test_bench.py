@@ -133,6 +133,28 @@ def test_torchrl_phase_skips_a_worker_count_whose_receivers_do_not_fit(tmp_path)
     assert [p["variant"] for p in baseline.plan(1)] == ["collector", "own"]
 
 
+def test_torchrl_phase_counts_a_model_per_receiver(tmp_path):
+    """Each torchrl receiver builds its own model: a point whose receivers' processes
+    fit but whose models do not is skipped with why (a full grid's LLM-shaped point at
+    4 workers was ended by the OOM killer before this was counted)."""
+    from zmqsync._bench.machine import meminfo
+    from zmqsync._bench.plan import SAFETY
+    from zmqsync._bench.results import Results, Row
+    from zmqsync._bench.torchrl_baseline import RECEIVER_BYTES, TorchrlBaseline
+
+    llm = padded_bytes(_bench.SIZES["llm"])
+    room = meminfo()["MemAvailable"] - SAFETY
+    margin = 2 * GiB  # memory that comes and goes while the test runs
+    n = next((k for k in range(1, 256) if k * RECEIVER_BYTES + (1 + k) * llm > room + margin), None)
+    if n is None or n * RECEIVER_BYTES > room - margin:
+        pytest.skip("no worker count fits its receivers but not their models here")
+    cfg = _bench.BenchConfig(mem_budget=1024 * GiB, sizes=("llm",))
+    results = Results(config={}, machine={})
+    results.rows = [Row(n=n, size="llm", label="LLM", mode="alias")]
+    assert TorchrlBaseline(cfg, results, dict(os.environ), tmp_path).plan(n) == []
+    assert "receivers with a model each need" in results.rows[0].torchrl_status
+
+
 def test_workers_run_from_the_checkout_the_harness_imports():
     # Workers get ROOT as cwd and first on PYTHONPATH: it must hold this very package.
     assert BENCH_ROOT == ROOT

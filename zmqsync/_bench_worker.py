@@ -264,6 +264,12 @@ def _die_with_parent() -> None:
         os._exit(1)
 
 
+def _storage_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole storage `tensor` views, as a flat uint8 tensor."""
+    storage = tensor.untyped_storage()
+    return torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,))
+
+
 def _map_readonly(path: str, size: int) -> tuple[mmap.mmap, torch.Tensor]:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -398,6 +404,12 @@ class _PoolWorker:
         sub.start()
         seconds = time.perf_counter() - t0
         self.sub = sub
+        if sub.flat and cmd["mode"] == "copy" and self.model is not None:
+            # the model's tensors moved into the subscriber's block: the floor copies into
+            # the model's bytes there, not into the buffer they left (which, touched, held
+            # a second model per worker: 8 copy workers of the LLM-shaped model ran the
+            # host out of memory)
+            self.flat = _storage_bytes(next(iter(self.model.parameters())))
         return {"seconds": seconds, "version": sub.version}
 
     def cmd_leave(self, cmd: dict[str, Any]) -> dict[str, Any]:
