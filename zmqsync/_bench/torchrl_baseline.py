@@ -66,6 +66,8 @@ class TorchrlBaseline:
             size = SIZES[key]
             s = padded_bytes(size)
             for variant in ("collector", "own"):
+                # the sender's buffers: the trained model's (collector), or a copy too (own)
+                sender = (1 if variant == "collector" else 2) * s
                 reason = ""
                 if available is not None and processes > available - SAFETY:
                     reason = (
@@ -82,13 +84,12 @@ class TorchrlBaseline:
                         f"skipped: copies {gib((n + 1) * s)} per send "
                         f"(cap {gib(cfg.torchrl_volume_cap)})"
                     )
-                elif held + (1 if variant == "collector" else 2) * s > cfg.mem_budget:
+                elif held + sender > cfg.mem_budget:
                     budget = gib(cfg.mem_budget)
                     reason = f"skipped: torchrl holds every size at once; over {budget}"
                 elif (
                     available is not None
-                    and (need := processes + held + ((1 if variant == "collector" else 2) + n) * s)
-                    > available - SAFETY
+                    and (need := processes + held + sender + n * s) > available - SAFETY
                 ):
                     # besides the sender's buffers, each receiver builds its own model
                     reason = (
@@ -98,7 +99,7 @@ class TorchrlBaseline:
                 if reason:
                     self.record(n, key, variant, status=reason)
                     continue
-                held += (1 if variant == "collector" else 2) * s
+                held += sender
                 iters, _ = iterations(cfg, size, (n + 1) * s if variant == "own" else s)
                 points.append(
                     {
