@@ -198,6 +198,34 @@ def test_free_slot_prefers_empty_then_oldest():
     assert reg.free_slot() == 1
 
 
+def publish_from_home(reg: Registry) -> int:
+    """Publisher.publish with the flat layout's home slot: the home is announced as the
+    version, and the slot claimed becomes the home."""
+    slot, announced = reg.free_slot(), reg.home
+    assert slot is not None and announced is not None, f"blockers={reg.blockers()}"
+    reg.record(reg.latest + 1, announced)
+    reg.reserve(slot)
+    return announced
+
+
+def test_the_home_slot_is_never_handed_out_and_holds_no_version():
+    reg = started(slots=3)
+    reg.reserve(1)
+    reg.join(hello("a", mode="alias"), "sa", now=0.0)
+    reg.ack("a", "sa", 0, now=0.0)
+    assert reg.free_slot() == 2, "not the home, though it is empty too"
+    assert publish_from_home(reg) == 1 and reg.home == 2
+    assert reg.slot_versions == [0, 1, -1]
+    assert reg.free_slot() is None, "a computes with 0, 1 is the latest, 2 is the home"
+    assert reg.blockers() == ["a"]
+    reg.ack("a", "sa", 1, now=0.0)
+    assert reg.free_slot() == 0
+    assert publish_from_home(reg) == 2 and reg.home == 0
+    assert reg.slot_versions == [-1, 1, 2]
+    reg.reserve(None)
+    assert reg.free_slot() == 0, "no home: an empty slot like any other"
+
+
 def test_copy_worker_that_acked_the_latest_blocks_nothing():
     reg = started()
     reg.join(hello("c"), "sc", now=0.0)
@@ -468,10 +496,14 @@ _MEMBER = st.tuples(
     latest=st.integers(-1, 6),
     members=st.lists(_MEMBER, max_size=5),
     displaced=st.lists(_MEMBER, max_size=2),
+    home=st.one_of(st.none(), st.integers(0, 3)),
 )
-def test_free_slot_is_the_oldest_slot_without_holders(slot_versions, latest, members, displaced):
+def test_free_slot_is_the_oldest_slot_without_holders(
+    slot_versions, latest, members, displaced, home
+):
     reg = Registry(len(slot_versions))
     reg.slot_versions, reg.latest = list(slot_versions), latest
+    reg.home = home if home is None or home < len(slot_versions) else None
     for i, (mode, floor, acked) in enumerate(members + displaced):
         member = Member(f"w{i}", f"s{i}", 100, "host", mode, "cpu", floor, acked)
         if i < len(members):
@@ -479,5 +511,5 @@ def test_free_slot_is_the_oldest_slot_without_holders(slot_versions, latest, mem
         else:
             reg.displaced[member.session] = member
     order = sorted(range(len(slot_versions)), key=lambda s: slot_versions[s])
-    expected = next((slot for slot in order if not reg.holders(slot)), None)
+    expected = next((s for s in order if s != reg.home and not reg.holders(s)), None)
     assert reg.free_slot() == expected

@@ -37,6 +37,11 @@ class Announcer:
             counters["publishes"] += 1
             counters["written_bytes"] += written
 
+    def reserve(self, slot: int | None) -> None:
+        """`slot` is the trainer's home from now on (None: none): see `Registry.reserve`."""
+        with self._shared.cond:
+            self._shared.role.registry.reserve(slot)
+
     def size_of(self, named: frozenset[Key] | None) -> int:
         """Bytes of the tensors `named` (None: all), in the slots' dtypes: computed once
         per set of keys, as `_changed_bits` is (a trainer publishes the same few subsets)."""

@@ -74,12 +74,22 @@ class FlatBlock:
         """
         with torch.no_grad():
             for key, tensor in tensors.items():
-                view = self.views[key]
-                view.copy_(tensor)
+                self.views[key].copy_(tensor)
+        self.point(tensors, self.views, store)
+
+    @staticmethod
+    def point(
+        tensors: Mapping[Key, torch.Tensor],
+        views: Mapping[Key, torch.Tensor],
+        store: Callable[[Key, torch.Tensor], None] | None = None,
+    ) -> None:
+        """Make each tensor the view `views[key]`, which holds its values already."""
+        with torch.no_grad():
+            for key, tensor in tensors.items():
                 if store is None:
-                    tensor.data = view
+                    tensor.data = views[key]
                 else:
-                    store(key, view)
+                    store(key, views[key])
 
     def in_place(self) -> bool:
         """Whether the block's storage is where it was made, at its size (a storage

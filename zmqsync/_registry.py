@@ -117,6 +117,7 @@ class Registry:
         self.displaced: dict[str, Member] = {}  # session -> replaced member (see above)
         self.slot_versions = [-1] * slots
         self.latest = -1
+        self.home: int | None = None  # the trainer's own slot, never handed out (`reserve`)
         # worker id -> {process: last acked version} of the processes that held it and
         # left (for Publish.acked, and to tell a former holder its id is taken); bounded
         self.departed: dict[str, dict[str, int]] = {}
@@ -266,6 +267,13 @@ class Registry:
         self.slot_versions[slot] = version
         self.latest = version
 
+    def reserve(self, slot: int | None) -> None:
+        """Make `slot` the trainer's home (the flat layout kept in a slot: `_home`): it
+        holds no version from now on and is never handed out; None: no home any more."""
+        if slot is not None:
+            self.slot_versions[slot] = -1
+        self.home = slot
+
     def slot_of(self, version: int) -> int:
         return self.slot_versions.index(version)
 
@@ -293,6 +301,8 @@ class Registry:
         versions, latest = self.slot_versions, self.latest
         single = len(versions) == 1
         for slot in sorted(range(len(versions)), key=versions.__getitem__):
+            if slot == self.home:
+                continue
             version = versions[slot]
             if version < 0:
                 return slot

@@ -33,6 +33,7 @@ from ._announcer import Announcer
 from ._deadline import Deadline
 from ._errors import ZmqSyncError
 from ._flat import FlatBlock
+from ._home import SWAP_DATA_PTR, HomeBlock
 from ._layout import Key, flatten
 from ._overlap import Pending, SideStreams, StepGuard, Writer
 from ._slots import Slots
@@ -131,8 +132,22 @@ class CopyWrites(Mode):
         self._verify = skip_unchanged == "verify"
         self._skip = bool(skip_unchanged)
         self._flat = flat
-        self._block: FlatBlock | None = None  # the flat layout's block, while it holds
+        self._block: FlatBlock | HomeBlock | None = None  # the flat layout's, while it holds
         self._whole: Flat | None = None  # the read that the block holds, to write whole
+        self._refusal = self._why_not_flat() if flat else None
+        # the block kept in a slot of its own (`_home`): one slot more than asked
+        self._homed = flat and self._refusal is None and SWAP_DATA_PTR is not None
+
+    def _why_not_flat(self) -> str | None:
+        if self.source.cuda_devices:
+            return "weights on a GPU"
+        return FlatBlock.refusal(trainer_tensors(self.source.weights), self.layout)
+
+    def slot_count(self, asked: int) -> int:
+        return asked + 1 if self._homed else asked
+
+    def lag_room(self, slots: int, alias: bool) -> int | None:
+        return super().lag_room(slots - 1 if self._homed else slots, alias)
 
     def start(self, name: str, slots: Slots, stack: contextlib.ExitStack) -> None:
         super().start(name, slots, stack)
@@ -140,20 +155,33 @@ class CopyWrites(Mode):
             self._unchanged = Unchanged(name, self._verify)
             self._unchanged.note(flatten(self.source.weights, detach=False), None)
         if self._flat:
-            self._adopt(name)
+            self._adopt(name, slots, stack)
 
-    def _adopt(self, name: str) -> None:
-        """The flat layout: the trainer's tensors move into one block (see `FlatBlock`)."""
-        tensors = trainer_tensors(self.source.weights)
-        why = FlatBlock.refusal(tensors, self.layout) if not self.source.cuda_devices else None
-        why = why or ("weights on a GPU" if self.source.cuda_devices else None)
-        if why is not None:
+    def _adopt(self, name: str, slots: Slots, stack: contextlib.ExitStack) -> None:
+        """The flat layout: the trainer's tensors move into one block, kept in slot 1
+        (`HomeBlock`, which version 0 in slot 0 is copied into) or, without torch's
+        pointer swap, in private memory (`FlatBlock`)."""
+        if self._refusal is not None:
             log.warning("publisher %r: no flat layout (%s); publishes copy tensor by "
-                        "tensor", name, printable(why))  # fmt: skip
+                        "tensor", name, printable(self._refusal))  # fmt: skip
             return
-        block = FlatBlock(self.layout)
-        block.adopt(tensors)
-        self._block = block
+        tensors = trainer_tensors(self.source.weights)
+        if not self._homed:
+            block = FlatBlock(self.layout)
+            block.adopt(tensors)
+            self._block = block
+            return
+        slots.begin(1)
+        slots.flat(1).copy_(slots.flat(0))
+        home = HomeBlock(self.layout, [slots.flat(i) for i in range(slots.count)], 1)
+        stack.callback(home.move_out)  # before the segment goes, or if a later step fails
+        home.adopt(tensors)
+        self._block = home
+
+    def bind(self, bound: Bound, stack: contextlib.ExitStack) -> None:
+        super().bind(bound, stack)
+        if isinstance(self._block, HomeBlock):
+            bound.announcer.reserve(self._block.slot)
 
     def read(self, weights: Any, named: Named) -> tuple[Flat, Named]:
         self._whole = None
@@ -169,7 +197,7 @@ class CopyWrites(Mode):
             self._leave(block, flat)
         return self._read_changed(self.source.read(weights, named), named)
 
-    def _leave(self, block: FlatBlock, flat: Flat) -> None:
+    def _leave(self, block: FlatBlock | HomeBlock, flat: Flat) -> None:
         """A tensor left the block: from now on every publish copies tensor by tensor."""
         moved = block.moved(flat)
         names = ", ".join(printable(".".join(k)) for k in moved[:5])
@@ -181,6 +209,9 @@ class CopyWrites(Mode):
             ", ..." if len(moved) > 5 else "",
         )  # fmt: skip
         self._block = None
+        if isinstance(block, HomeBlock):  # what stayed in the home slot moves out; the
+            block.move_out()  # slot is an ordinary one again
+            self.bound.announcer.reserve(None)
 
     def _read_changed(self, flat: Flat, named: Named) -> tuple[Flat, Named]:
         if self._unchanged is not None and named is None:
@@ -198,9 +229,13 @@ class CopyWrites(Mode):
     ) -> Pending | None:
         slots, announcer = self.bound.slots, self.bound.announcer
         block, whole = self._block, self._whole is flat
+        if named is None and whole and isinstance(block, HomeBlock):
+            self._write_home(block, slot, version)
+            self._note(flat, None)
+            return None
         with self.bound.write_lock:  # a worker reading the CPU copy joins before or after
             mirror = announcer.needs_mirror()
-            if named is None and whole and block is not None:
+            if named is None and whole and isinstance(block, FlatBlock):
                 slots.write_block(slot, version, block)
             elif named is None:
                 slots.write(slot, version, flat, mirror=mirror)
@@ -213,6 +248,19 @@ class CopyWrites(Mode):
         announcer.send(version, slot, named)
         self._note(flat, named)
         return None
+
+    def _write_home(self, home: HomeBlock, slot: int, version: int) -> None:
+        """Announce the home slot as `version`, as the trainer wrote it; then, while the
+        workers read it, copy it into `slot` (claimed: no worker holds it), the new home."""
+        slots, announcer = self.bound.slots, self.bound.announcer
+        announced = home.slot
+        with self.bound.write_lock:
+            slots.finish(announced, version)
+            announcer.record(version, announced, announcer.size_of(None))
+            announcer.reserve(slot)
+            slots.begin(slot)
+        announcer.send(version, announced, None)
+        home.move_to(slot)
 
     def _note(self, flat: Flat, named: frozenset[Key] | None) -> None:
         if self._unchanged is not None:
