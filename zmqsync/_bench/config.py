@@ -43,8 +43,10 @@ SIZES: dict[str, Size] = {
     )
 }
 MODES = ("copy", "alias")
-# Models published with the flat layout: the trainer's tensors and a copy-mode worker's
-# model each in one block laid out as a slot (many tensors: a version is one copy).
+# Every model is published with the flat layout (`Copy(flat=True)`): the trainer's tensors
+# live in a slot of the segment (its home, one slot more than SLOTS) and a publish copies
+# it to the next while the workers read it. Copy-mode workers of these kinds also keep
+# their model in one block laid out as a slot (many tensors: a version is one copy).
 FLAT_KINDS = ("many", "llm")
 SLOTS = 2  # the publisher's slots in every phase: the segment holds this many models
 

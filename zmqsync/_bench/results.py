@@ -79,6 +79,7 @@ class Row:
     seg_pss: float | None = None  # per worker, mean: PSS of the shared segment
     extra: float | None = None  # per worker, max: pss_delta - seg_pss
     segment_bytes: int | None = None
+    segment_slots: int = SLOTS  # models the segment holds (+1: the flat layout's home slot)
     seconds: float | None = None  # wall time of this row's phase, set-up included
     naive_seconds: float | None = None
     samples: dict[str, list[float]] = field(default_factory=dict)
@@ -103,7 +104,7 @@ class Row:
             "x_naive": _div(self.zmqsync_p50, self.naive_p50),
             "gbps": _div(self.nbytes / 1e9, self.zmqsync_p50),
             "extra_frac": _div(self.extra, self.nbytes),
-            "segment_frac": _div(self.segment_bytes, SLOTS * self.nbytes),
+            "segment_frac": _div(self.segment_bytes, self.segment_slots * self.nbytes),
         }
 
     def flat(self) -> dict[str, Any]:

@@ -164,11 +164,10 @@ class Run:
         row.tensors = len(list(trainer.parameters()))
         row.nbytes = sum(p.numel() * p.element_size() for p in trainer.parameters())
         _, dst = self.shm_file("dst", tflat.numel())
-        floor_src = ""
-        if row.mode == "copy":
-            floor_src, src = self.shm_file("src", tflat.numel())
-            src.copy_(tflat)
-            del src
+        floor_src, memcpy_src = "", tflat
+        if row.mode == "copy":  # the floors' source: the trainer's bytes, in a file
+            floor_src, memcpy_src = self.shm_file("src", tflat.numel())
+            memcpy_src.copy_(tflat)
         before = pool.call(n, {"cmd": "mem", "under": self.segment_prefix})
         pool.call(n, {"cmd": "model", "kind": size.kind, "nbytes": size.target})
         if row.mode == "copy":  # the N+1-copies floor: a thread in each worker copies on "go"
@@ -191,10 +190,12 @@ class Run:
             slots=SLOTS,
             timeout=timeout,
             shm_dir=self.shm,
-            writes=Copy(flat=size.kind in FLAT_KINDS),
+            writes=Copy(flat=True),  # see FLAT_KINDS
         )
         pub.start()
+        del trainer, tflat  # its tensors moved into the segment: their first buffer goes
         row.segment_bytes = self.segment_bytes()
+        row.segment_slots = SLOTS + 1
         joins = pool.call(
             n,
             {
@@ -210,7 +211,7 @@ class Run:
         row.join_p50 = p50([j["seconds"] for j in joins])
         if not pub.wait_for_workers(n, timeout=timeout):
             raise BenchError(f"only {len(pub.workers)} of {n} workers joined in time")
-        samples = self._interleave(row, pub, fan, (tflat, dst), iters, warmup)
+        samples = self._interleave(row, pub, fan, (memcpy_src, dst), iters, warmup)
         pool.call(n, {"cmd": "unrespond"})  # unmaps the floor buffer
         pool.call(n, {"cmd": "touch"})
         after = pool.call(n, {"cmd": "mem", "under": self.segment_prefix})
@@ -230,8 +231,9 @@ class Run:
     ) -> dict[str, list[float]]:
         """Timed publishes, each next to one sample of every floor; the samples by name.
 
-        `copy` is (source, destination) of the memcpy floor: the trainer's flat weights
-        and a file in the run's shm dir.
+        `copy` is (source, destination) of the memcpy floor: the trainer's bytes (its
+        first buffer, or in copy mode the N+1-copies floor's file) and a file in the
+        run's shm dir.
         """
         import torch
 

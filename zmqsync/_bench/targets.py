@@ -134,21 +134,23 @@ def _vs_torchrl(alias: list[Row]) -> Target:
 
 def _alias_memory(ok: list[Row], alias: list[Row]) -> Target:
     big = [r for r in alias if r.nbytes >= 64 * MiB and r.extra is not None]
-    # The segment: a 4 KiB header page, then `slots` slots of whole pages, every tensor
-    # at a 256-byte boundary. "Nothing more" = no third copy: the overhead beyond
+    # The segment: a 4 KiB header page, then `slots` slots of whole pages (one more for
+    # the flat layout's home slot, where the trainer's own tensors live), every tensor
+    # at a 256-byte boundary. "Nothing more" = no extra copy: the overhead beyond
     # slots × model bytes is checked on models of 1 MiB and more (a 4 KB model's 20 KiB
     # segment is all header and page rounding).
     overs = [
-        (r, (r.segment_bytes or 0) - SLOTS * r.nbytes)
+        (r, (r.segment_bytes or 0) - r.segment_slots * r.nbytes)
         for r in ok
         if r.segment_bytes is not None and r.nbytes >= MiB
     ]
-    seg_ok = all(over <= 0.01 * SLOTS * r.nbytes + 64 * KiB for r, over in overs)
+    seg_ok = all(over <= 0.01 * r.segment_slots * r.nbytes + 64 * KiB for r, over in overs)
     seg_txt = ""
     if overs:
         worst_seg = max(overs, key=lambda ro: ro[1] / ro[0].nbytes)
         seg_txt = (
-            f"segment = {SLOTS} × model + at most {worst_seg[1] / KiB:.0f} KiB "
+            f"segment = {SLOTS} × model (+1: the trainer's, flat) "
+            f"+ at most {worst_seg[1] / KiB:.0f} KiB "
             f"({worst_seg[0].label}: header page, alignment, page rounding)"
         )
     if not big:
