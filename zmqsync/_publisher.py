@@ -203,13 +203,15 @@ class Publisher:
         address: control address; None: ``ipc://<runtime dir>/<name>.sock``.
         name: bus name, used for the default address and segment names.
         slots: copies of the model in the shared buffer (>= 1). More slots let
-            publishes overlap slow alias-mode workers. ``Live()`` writes use one.
+            publishes overlap slow alias-mode workers. ``Live()`` writes use one;
+            ``Copy(flat=True)`` one more, where the trainer's tensors live.
         timeout: default deadline (s) for a publish to collect its acks.
         on_timeout: "raise" (PublishTimeout) or "evict" (drop the missing workers).
         heartbeat: heartbeat interval (s); a worker silent for ~6 beats is dropped.
         writes: how versions are written, chosen once:
-            ``Copy()`` (default; ``Copy(dtype=torch.bfloat16)`` casts, and
-            ``skip_unchanged=True`` writes only what changed),
+            ``Copy()`` (default; ``Copy(dtype=torch.bfloat16)`` casts,
+            ``skip_unchanged=True`` writes only what changed, and ``flat=True`` keeps
+            the trainer's tensors in a slot, copied beside the workers' copies),
             ``Overlapped(optimizer)`` (the optimizer's tensors are copied in the
             background, beside the next forward and backward), or
             ``Live()`` (the trainer's tensors move into the shared segment; a publish

@@ -17,7 +17,9 @@ one place that writes them:
 * A write may come in parts (`begin`, `copy` as often as needed, `finish`): tensors the
   optimizer writes are copied in the background while the rest is copied at once.
 * A trainer whose tensors live in a `FlatBlock` (the flat layout: laid out as a slot)
-  is written whole by one copy of the block (`write_block`).
+  is written whole by one copy of the block (`write_block`). One whose block is a slot
+  itself (`HomeBlock`) writes that slot directly: a publish only `finish`es it, and
+  `begin`s the next home.
 * **Slots stay exact under partial publishes.** A version may change only some tensors
   (`keys=`); the others keep their values. A slot about to be reused gets the named
   tensors from the trainer and every other tensor that changed since the version it

@@ -6,8 +6,10 @@ happens; the wait is `AckWait`'s. One class per mode:
 
 * `CopyWrites`: read and check the weights, claim a free slot, copy them in under the
   seqlock, announce. With `skip_unchanged`, only the tensors that changed. With `flat`,
-  the trainer's tensors live in one block laid out as a slot (`FlatBlock`): a publish
-  of every tensor checks one address per tensor and copies the block once.
+  the trainer's tensors live in one block laid out as a slot, kept in a slot of the
+  segment (`HomeBlock`; `FlatBlock` in private memory without torch's pointer swap): a
+  publish of every tensor checks one address per tensor, announces the home slot and
+  moves the trainer on to the claimed one (`_write_home`).
 * `OverlappedWrites`: the same, but what the optimizer writes is copied, and the version
   announced, by a writer thread while the trainer goes on (see `_overlap`).
 * `LiveWrites`: the trainer's tensors are slot 0; a publish announces (and copies only
@@ -259,8 +261,10 @@ class CopyWrites(Mode):
             announcer.record(version, announced, announcer.size_of(None))
             announcer.reserve(slot)
             slots.begin(slot)
-        announcer.send(version, announced, None)
-        home.move_to(slot)
+        try:
+            announcer.send(version, announced, None)
+        finally:  # the trainer never writes a slot announced as a version
+            home.move_to(slot)
 
     def _note(self, flat: Flat, named: frozenset[Key] | None) -> None:
         if self._unchanged is not None:

@@ -53,15 +53,20 @@ class Copy(Writes):
             ``.data``, numpy views, another process) are not seen. "verify": the same,
             and every skipped tensor is compared byte for byte with the last version;
             one that differs is published anyway, with a warning.
-        flat: the flat layout, for models of many tensors: at start the trainer's
-            tensors move into one private block laid out as a slot (each becomes a view
-            of its place; a ``Parameter`` stays the same object, as with `Live`), and a
-            publish of every tensor is one copy of that block, checked by one address
-            per tensor instead of shape and dtype. A tensor the trainer re-allocates
-            (``load_state_dict(assign=True)``, ``.data = ...``, a round trip through
-            another dtype) leaves the block: publishes then copy tensor by tensor, with
-            a warning. CPU tensors only, no `dtype`; weights that cannot move (on a GPU,
-            not contiguous) keep publishing tensor by tensor, with a warning.
+        flat: the flat layout, for CPU models (of many tensors above all): at start
+            the trainer's tensors move into one block laid out as a slot and kept in the
+            segment, the trainer's home slot (each becomes a view of its place; a
+            ``Parameter`` stays the same object, as with `Live`). A publish of every
+            tensor, checked by one address per tensor instead of shape and dtype,
+            announces the home slot as written, then copies it into the next free slot
+            while the workers read it, and the tensors follow there by one storage
+            pointer swap: their addresses change at every publish (see docs/guide.md).
+            The segment holds one slot more than asked. A tensor the trainer
+            re-allocates (``load_state_dict(assign=True)``, ``.data = ...``, a round
+            trip through another dtype) leaves the layout: publishes then copy tensor
+            by tensor, with a warning. CPU tensors only, no `dtype`; weights that cannot
+            move (on a GPU, not contiguous) keep publishing tensor by tensor, with a
+            warning.
     """
 
     dtype: torch.dtype | None = None
