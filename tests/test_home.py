@@ -159,3 +159,35 @@ def test_worker_processes_get_every_version_bit_exact(name, spawn):
             for worker in workers:
                 seen = worker.wait_for(lambda r, v=p.version: r.get("version") == v)
                 assert seen["digest"] == want, (worker.cmd, v)
+
+
+def test_the_copy_runs_beside_copy_workers_and_before_the_announcement_without(name, monkeypatch):
+    """With alias workers only nothing would run beside the copy into the next home: it
+    comes first. A copy-mode worker on the bus reads the announced home meanwhile."""
+    model = Many(blocks=3)
+    with (
+        zmqsync.Publisher(model, name=name, writes=zmqsync.Copy(flat=True)) as pub,
+        zmqsync.Subscriber(name=name, model=Many(blocks=3), mode="alias") as aliaser,
+    ):
+        home, announcer = _home(pub), pub._mode.bound.announcer
+        at_send: list[tuple[int, int]] = []  # (announced slot, the home's slot) at RECEIVE
+        send = announcer.send
+
+        def recording(version, slot, named):
+            at_send.append((slot, home.slot))
+            send(version, slot, named)
+
+        monkeypatch.setattr(announcer, "send", recording)
+        assert aliaser.wait_for_version(pub.publish().version, timeout=10)
+        announced, home_then = at_send[-1]
+        assert home_then != announced, "alias workers only: the trainer moved first"
+        with zmqsync.Subscriber(name=name, mode="copy") as copier:
+            with torch.no_grad():
+                model.norm.weight.add_(1)
+            p = pub.publish()
+            assert copier.wait_for_version(p.version, timeout=10)
+            assert digest(flatten(copier.weights)) == digest(flatten(model))
+        announced, home_then = at_send[-1]
+        assert home_then == announced, "a copy worker reads it while the trainer copies it"
+        assert home.slot != announced
+        assert digest(flatten(aliaser.model)) == digest(flatten(model))

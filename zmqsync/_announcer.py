@@ -37,6 +37,11 @@ class Announcer:
             counters["publishes"] += 1
             counters["written_bytes"] += written
 
+    def copy_readers(self) -> bool:
+        """Whether a copy-mode worker is on the bus (`Registry.copy_readers`)."""
+        with self._shared.cond:
+            return self._shared.role.registry.copy_readers()
+
     def reserve(self, slot: int | None) -> None:
         """`slot` is the trainer's home from now on (None: none): see `Registry.reserve`."""
         with self._shared.cond:

@@ -347,6 +347,11 @@ class Registry:
         the slot it computes with, one slot less for versions in flight."""
         return any(m.mode == "alias" for m in (*self.members.values(), *self.displaced.values()))
 
+    def copy_readers(self) -> bool:
+        """Whether a copy-mode worker is a member: it copies each version out of its
+        slot, which a publish from the flat layout's home slot runs beside its own copy."""
+        return any(m.mode == "copy" for m in self.members.values())
+
     def infos(self, wall_offset: float) -> dict[str, WorkerInfo]:
         latest = self.latest
         return {

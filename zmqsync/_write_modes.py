@@ -252,19 +252,29 @@ class CopyWrites(Mode):
         return None
 
     def _write_home(self, home: HomeBlock, slot: int, version: int) -> None:
-        """Announce the home slot as `version`, as the trainer wrote it; then, while the
-        workers read it, copy it into `slot` (claimed: no worker holds it), the new home."""
-        slots, announcer = self.bound.slots, self.bound.announcer
-        announced = home.slot
-        with self.bound.write_lock:
+        """Announce the home slot as `version`, as the trainer wrote it, and make `slot`
+        (claimed: no worker holds it) the new home, with the home's bytes.
+
+        With a copy-mode worker on the bus the copy into `slot` runs after the
+        announcement, beside the workers' copies out of the old home. With none (alias
+        workers only) nothing would run beside it: the copy comes first, on free cores,
+        as a write into a free slot would.
+        """
+        slots, announcer, lock = self.bound.slots, self.bound.announcer, self.bound.write_lock
+        announced, beside = home.slot, announcer.copy_readers()
+        with lock:
+            slots.begin(slot)
+        if not beside:
+            home.move_to(slot)  # a failure here leaves the trainer home, nothing announced
+        with lock:
             slots.finish(announced, version)
             announcer.record(version, announced, announcer.size_of(None))
             announcer.reserve(slot)
-            slots.begin(slot)
         try:
             announcer.send(version, announced, None)
-        finally:  # the trainer never writes a slot announced as a version
-            home.move_to(slot)
+        finally:
+            if beside:  # the trainer never writes a slot announced as a version
+                home.move_to(slot)
 
     def _note(self, flat: Flat, named: frozenset[Key] | None) -> None:
         if self._unchanged is not None:
