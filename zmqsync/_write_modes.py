@@ -265,7 +265,7 @@ class CopyWrites(Mode):
         with lock:
             slots.begin(slot)
         if not beside:
-            home.move_to(slot)  # a failure here leaves the trainer home, nothing announced
+            home.move_to(slot, alone=True)  # a failure leaves the trainer home, unannounced
         with lock:
             slots.finish(announced, version)
             announcer.record(version, announced, announcer.size_of(None))
@@ -274,7 +274,7 @@ class CopyWrites(Mode):
             announcer.send(version, announced, None)
         finally:
             if beside:  # the trainer never writes a slot announced as a version
-                home.move_to(slot)
+                home.move_to(slot, alone=False)
 
     def _note(self, flat: Flat, named: frozenset[Key] | None) -> None:
         if self._unchanged is not None:
