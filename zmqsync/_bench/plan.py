@@ -35,8 +35,8 @@ def _need(what: str, n: int, s: int) -> int:
     """Bytes a phase holds at once (data only; the workers' interpreters aside)."""
     if what == "copy":  # 2 slots + the trainer's home, floor src + dst, one model per worker
         return (n + 5) * s
-    if what == "alias":  # 2 slots + the trainer's home, its first buffer (memcpy), floor dst
-        return 5 * s
+    if what == "alias":  # 2 slots + the trainer's home, floor dst
+        return 4 * s
     if what == "naive":  # trainer, pickle; per worker: model, message, unpickled copy
         return (3 * n + 2) * s
     raise ValueError(what)

@@ -152,6 +152,8 @@ class Run:
 
     def zmqsync_phase(self, row: Row, size: Size, fan: Fanout) -> None:
         """Publishes interleaved with the raw, memcpy and (copy mode) N+1-copies floors."""
+        import torch
+
         from .._bench_worker import make_model
         from .._publisher import Publisher
         from .._writes import Copy
@@ -164,10 +166,11 @@ class Run:
         row.tensors = len(list(trainer.parameters()))
         row.nbytes = sum(p.numel() * p.element_size() for p in trainer.parameters())
         _, dst = self.shm_file("dst", tflat.numel())
-        floor_src, memcpy_src = "", tflat
-        if row.mode == "copy":  # the floors' source: the trainer's bytes, in a file
-            floor_src, memcpy_src = self.shm_file("src", tflat.numel())
-            memcpy_src.copy_(tflat)
+        floor_src = ""
+        if row.mode == "copy":  # the copy workers' floor reads the trainer's bytes in a file
+            floor_src, src = self.shm_file("src", tflat.numel())
+            src.copy_(tflat)
+            del src
         before = pool.call(n, {"cmd": "mem", "under": self.segment_prefix})
         pool.call(n, {"cmd": "model", "kind": size.kind, "nbytes": size.target})
         if row.mode == "copy":  # the N+1-copies floor: a thread in each worker copies on "go"
@@ -193,7 +196,13 @@ class Run:
             writes=Copy(flat=True),  # see FLAT_KINDS
         )
         pub.start()
-        del trainer, tflat  # its tensors moved into the segment: their first buffer goes
+        # The memcpy floors read the trainer's bytes where its tensors are: in the
+        # segment's home slot, which moves at each publish; a view of their storage
+        # object follows it. Their first buffer goes.
+        weights = next(iter(trainer.parameters())).untyped_storage()
+        nbytes = min(tflat.numel(), weights.nbytes())
+        memcpy_src = torch.empty(0, dtype=torch.uint8).set_(weights, 0, (nbytes,), (1,))
+        del trainer, tflat, weights
         row.segment_bytes = self.segment_bytes()
         row.segment_slots = SLOTS + 1
         joins = pool.call(
@@ -231,9 +240,8 @@ class Run:
     ) -> dict[str, list[float]]:
         """Timed publishes, each next to one sample of every floor; the samples by name.
 
-        `copy` is (source, destination) of the memcpy floor: the trainer's bytes (its
-        first buffer, or in copy mode the N+1-copies floor's file) and a file in the
-        run's shm dir.
+        `copy` is (source, destination) of the memcpy floor: a view of the trainer's
+        bytes (its tensors' storage) and a file in the run's shm dir.
         """
         import torch
 
