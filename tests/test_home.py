@@ -191,3 +191,22 @@ def test_the_copy_runs_beside_copy_workers_and_before_the_announcement_without(n
         assert home_then == announced, "a copy worker reads it while the trainer copies it"
         assert home.slot != announced
         assert digest(flatten(aliaser.model)) == digest(flatten(model))
+
+
+def test_one_slot_keeps_the_block_private_so_alias_workers_never_stall_a_publish(name):
+    """slots=1: the only slot is rewritten under alias readers (they see the seqlock
+    move). A home beside it would leave a publish no slot to claim while an alias
+    worker holds the other: the block stays in private memory instead."""
+    model = Many(blocks=3)
+    with (
+        zmqsync.Publisher(model, name=name, slots=1, writes=zmqsync.Copy(flat=True)) as pub,
+        zmqsync.Subscriber(name=name, model=Many(blocks=3), mode="alias") as aliaser,
+    ):
+        assert pub._mode.bound.slots.count == 1 and pub._registry.home is None
+        assert pub._mode._block is not None and not isinstance(pub._mode._block, HomeBlock)
+        for v in range(1, 4):
+            with torch.no_grad():
+                model.norm.weight.add_(1)
+            p = pub.publish(timeout=10)
+            assert aliaser.wait_for_version(p.version, timeout=10)
+            assert digest(flatten(aliaser.model)) == digest(flatten(model)), v

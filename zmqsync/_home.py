@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch.utils.dlpack import from_dlpack
 
-from ._copy import SHARED_COPY_MAX, STREAM_COPY_MIN, ByteCopies
+from ._copy import SHARED_COPY_MAX, SHARED_COPY_MIN, STREAM_COPY_MIN, ByteCopies
 from ._flat import FlatBlock
 from ._layout import Key, Layout
 
@@ -120,15 +120,18 @@ class HomeBlock:
     def move_to(self, slot: int, *, alone: bool) -> None:
         """Copy the home slot into `slot` (marked as being written) and make it the home.
 
-        `alone`: nothing runs beside the copy, and it takes every core: below
-        STREAM_COPY_MIN torch's ``copy_`` (64 MiB slot to slot after another 64 MiB
-        copy, as a trainer's step leaves the caches: 5.0 ms against 7.9 by the native
-        loop on two threads), above it pieces the native loop shares among threads and
-        streams (512 MiB: 37 ms against 42 by torch, 47 whole). Beside workers' copies it
-        runs as one native copy: one core for a big one, the others' to the workers.
+        `alone`: nothing runs beside the copy, and it takes every core: from
+        SHARED_COPY_MIN to STREAM_COPY_MIN torch's ``copy_`` (64 MiB slot to slot after
+        another 64 MiB copy, as a trainer's step leaves the caches: 5.0 ms against 7.9 by
+        the native loop on two threads), above it pieces the native loop shares among
+        threads and streams (512 MiB: 37 ms against 42 by torch, 47 whole). Smaller, one
+        native copy on this thread: torch's threads wait for each other when a core is
+        busy, and 16 alias workers waking keep one busy (4 MiB: 68 ms a publish).
+        Beside workers' copies it runs as one native copy: one core for a big one, the
+        others' to the workers.
         """
         at, size = self.slot, self._nbytes
-        if alone and size < STREAM_COPY_MIN:
+        if alone and SHARED_COPY_MIN <= size < STREAM_COPY_MIN:
             self._slots[slot].copy_(self._slots[at])
         else:
             copies = self._copies.get((at, slot, alone))

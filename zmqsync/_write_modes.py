@@ -146,6 +146,10 @@ class CopyWrites(Mode):
         return FlatBlock.refusal(trainer_tensors(self.source.weights), self.layout)
 
     def slot_count(self, asked: int) -> int:
+        # Asked once, before start. With one slot asked, that slot is rewritten in place
+        # under alias readers (see `Registry`): a home beside it would leave a publish no
+        # slot to claim while an alias worker holds the other, so the block stays private.
+        self._homed = self._homed and asked >= 2
         return asked + 1 if self._homed else asked
 
     def lag_room(self, slots: int, alias: bool) -> int | None:
