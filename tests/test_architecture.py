@@ -77,6 +77,7 @@ CORE = (
     "zmqsync._follow",
     "zmqsync._handshake_queue",
     "zmqsync._histogram",
+    "zmqsync._home",
     "zmqsync._layout",
     "zmqsync._lifecycle",
     "zmqsync._link",
@@ -121,7 +122,7 @@ RULES = {
     ),
     "buffers, layout and copies never import zmq": (
         ("zmqsync._buffers", "zmqsync._layout", "zmqsync._copy", "zmqsync._slots",
-         "zmqsync._apply"),
+         "zmqsync._apply", "zmqsync._flat", "zmqsync._home"),
         ("zmq",),
     ),
     "write modes reach the sockets only through the Announcer and the AckWait": (

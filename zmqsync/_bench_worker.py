@@ -264,7 +264,7 @@ def _die_with_parent() -> None:
         os._exit(1)
 
 
-def _storage_bytes(tensor: torch.Tensor) -> torch.Tensor:
+def storage_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """The whole storage `tensor` views, as a flat uint8 tensor."""
     storage = tensor.untyped_storage()
     return torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,))
@@ -409,7 +409,7 @@ class _PoolWorker:
             # the model's bytes there, not into the buffer they left (which, touched, held
             # a second model per worker: 8 copy workers of the LLM-shaped model ran the
             # host out of memory)
-            self.flat = _storage_bytes(next(iter(self.model.parameters())))
+            self.flat = storage_bytes(next(iter(self.model.parameters())))
         return {"seconds": seconds, "version": sub.version}
 
     def cmd_leave(self, cmd: dict[str, Any]) -> dict[str, Any]:

@@ -62,34 +62,20 @@ class FlatBlock:
                 return f"{name} is not {spec.dtype} of shape {tuple(spec.shape)}"
         return None
 
-    def adopt(
-        self,
-        tensors: Mapping[Key, torch.Tensor],
-        store: Callable[[Key, torch.Tensor], None] | None = None,
-    ) -> None:
-        """Copy each tensor's values to its place, then make it a view of that place.
-
-        `store(key, view)` instead of ``tensor.data = view``: for owners that replace
-        the tensor object (a module's buffer dict, a TensorDict entry).
-        """
+    def adopt(self, tensors: Mapping[Key, torch.Tensor]) -> None:
+        """Copy each tensor's values to its place, then make it a view of that place."""
         with torch.no_grad():
             for key, tensor in tensors.items():
                 self.views[key].copy_(tensor)
-        self.point(tensors, self.views, store)
+        self.point(tensors, self.views)
 
     @staticmethod
-    def point(
-        tensors: Mapping[Key, torch.Tensor],
-        views: Mapping[Key, torch.Tensor],
-        store: Callable[[Key, torch.Tensor], None] | None = None,
-    ) -> None:
-        """Make each tensor the view `views[key]`, which holds its values already."""
+    def point(tensors: Mapping[Key, torch.Tensor], views: Mapping[Key, torch.Tensor]) -> None:
+        """Make each tensor the view `views[key]` (``.data =``: a ``Parameter`` stays the
+        same object), which holds its values already."""
         with torch.no_grad():
             for key, tensor in tensors.items():
-                if store is None:
-                    tensor.data = views[key]
-                else:
-                    store(key, views[key])
+                tensor.data = views[key]
 
     def in_place(self) -> bool:
         """Whether the block's storage is where it was made, at its size (a storage

@@ -41,8 +41,8 @@ from ._layout import Key, Layout
 __all__ = ["HomeBlock", "SWAP_DATA_PTR"]
 
 # torch's own swap of two storages' data pointers (a private method of UntypedStorage,
-# present in the torch of constraints.txt). Without it the flat layout keeps its block
-# in private memory (`FlatBlock`).
+# present in the torch of constraints.txt), shared with alias mode's `Switch`. Without
+# it the flat layout keeps its block in private memory (`FlatBlock`).
 SWAP_DATA_PTR: Callable[[Any, Any], None] | None = getattr(
     torch.UntypedStorage, "_swap_data_ptr_", None
 )
@@ -77,22 +77,17 @@ class HomeBlock:
         self._copies: dict[tuple[int, int, bool], ByteCopies] = {}
         self.slot = home  # -1 once moved out
 
-    def adopt(
-        self,
-        tensors: Mapping[Key, torch.Tensor],
-        store: Callable[[Key, torch.Tensor], None] | None = None,
-    ) -> None:
+    def adopt(self, tensors: Mapping[Key, torch.Tensor]) -> None:
         """Make each tensor a view of its place in the home slot (which holds its values
-        already); `store(key, view)` for owners that replace the tensor object."""
-        FlatBlock.point(tensors, self.views, store)
+        already)."""
+        FlatBlock.point(tensors, self.views)
 
     def addresses(self) -> list[int]:
         """Where the trainer's tensors are while the model is at its slot (layout order)."""
-        at = self.slot
-        found = self._addresses.get(at)
+        found = self._addresses.get(self.slot)
         if found is None:
-            base = self._bases[at] if at >= 0 else self.model.data_ptr()
-            found = self._addresses[at] = [base + offset for offset in self._offsets]
+            base = self._bases[self.slot]
+            found = self._addresses[self.slot] = [base + offset for offset in self._offsets]
         return found
 
     def at(self, addresses: list[int]) -> bool:
@@ -159,5 +154,4 @@ class HomeBlock:
         assert SWAP_DATA_PTR is not None
         SWAP_DATA_PTR(self.model, private.untyped_storage())
         self._holders = [None] * len(self._holders)  # the mapping may go now
-        self._addresses.clear()
         self.slot = -1

@@ -152,9 +152,7 @@ class Run:
 
     def zmqsync_phase(self, row: Row, size: Size, fan: Fanout) -> None:
         """Publishes interleaved with the raw, memcpy and (copy mode) N+1-copies floors."""
-        import torch
-
-        from .._bench_worker import make_model
+        from .._bench_worker import make_model, storage_bytes
         from .._publisher import Publisher
         from .._writes import Copy
 
@@ -199,10 +197,8 @@ class Run:
         # The memcpy floors read the trainer's bytes where its tensors are: in the
         # segment's home slot, which moves at each publish; a view of their storage
         # object follows it. Their first buffer goes.
-        weights = next(iter(trainer.parameters())).untyped_storage()
-        nbytes = min(tflat.numel(), weights.nbytes())
-        memcpy_src = torch.empty(0, dtype=torch.uint8).set_(weights, 0, (nbytes,), (1,))
-        del trainer, tflat, weights
+        memcpy_src = storage_bytes(next(iter(trainer.parameters())))[: tflat.numel()]
+        del trainer, tflat
         row.segment_bytes = self.segment_bytes()
         row.segment_slots = SLOTS + 1
         joins = pool.call(
