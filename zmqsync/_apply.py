@@ -26,7 +26,7 @@ from torch.utils.dlpack import from_dlpack
 from ._copy import ByteCopies, CopyPlan
 from ._errors import LayoutMismatch
 from ._flat import FlatBlock
-from ._home import SWAP_DATA_PTR  # without it alias mode sets each tensor's .data
+from ._home import SWAP_DATA_PTR as _SWAP_DATA_PTR  # None: .data set per tensor
 from ._layout import (
     Key,
     Layout,
@@ -97,7 +97,7 @@ class Target:
         ] = {}
         self._binders: dict[int, tuple[Mapping[Key, torch.Tensor], _Binders]] = {}
         self.switch: Switch | None = None  # alias mode on the CPU, once a slot was aliased
-        self._no_switch = SWAP_DATA_PTR is None or mode != "alias"  # then: per tensor
+        self._no_switch = _SWAP_DATA_PTR is None or mode != "alias"  # then: per tensor
         if mode == "alias":
             wrong = sorted(
                 {
@@ -249,7 +249,7 @@ class Target:
         if self.switch is not None:
             self.switch.active = False
         self.switch = None
-        self._no_switch = SWAP_DATA_PTR is None or self.mode != "alias"
+        self._no_switch = _SWAP_DATA_PTR is None or self.mode != "alias"
 
     def weights(self) -> Any:
         return to_tensordict(self.tensors)
@@ -342,7 +342,7 @@ class Switch:
         slots: int,
     ) -> None:
         self.model = model
-        self.swap = SWAP_DATA_PTR
+        self.swap = _SWAP_DATA_PTR
         self.tensors = {
             key: _over(model, view, int(view.storage_offset()) * view.element_size() - base)
             for key, view in views.items()
