@@ -92,6 +92,7 @@ CORE = (
     "zmqsync._write_modes",
     "zmqsync._writes",
     "zmqsync._overlap",
+    "zmqsync._places",
     "zmqsync._publisher_role",
     "zmqsync._reference_follower",
     "zmqsync._registry",
@@ -122,7 +123,7 @@ RULES = {
     ),
     "buffers, layout and copies never import zmq": (
         ("zmqsync._buffers", "zmqsync._layout", "zmqsync._copy", "zmqsync._slots",
-         "zmqsync._apply", "zmqsync._flat", "zmqsync._home"),
+         "zmqsync._apply", "zmqsync._flat", "zmqsync._home", "zmqsync._places"),
         ("zmq",),
     ),
     "write modes reach the sockets only through the Announcer and the AckWait": (

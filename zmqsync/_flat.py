@@ -28,6 +28,7 @@ import torch
 
 from ._copy import ByteCopies, bytes_are_values
 from ._layout import Key, Layout, torch_dtype
+from ._places import pack
 
 __all__ = ["FlatBlock"]
 
@@ -37,13 +38,14 @@ _DATA_PTR: Callable[[torch.Tensor], int] = torch.Tensor.data_ptr
 class FlatBlock:
     """One block of a slot's size holding tensors at their slot offsets (see the module doc)."""
 
-    __slots__ = ("block", "views", "keys", "_addresses", "_base", "_nbytes")
+    __slots__ = ("block", "views", "keys", "_addresses", "_packed", "_base", "_nbytes")
 
     def __init__(self, layout: Layout) -> None:
         self.block = torch.zeros(layout.slot_bytes, dtype=torch.uint8)
         self.views = layout.views(self.block)
         self.keys = tuple(self.views)
         self._addresses = list(map(_DATA_PTR, self.views.values()))
+        self._packed = pack(self._addresses)
         self._base = self.block.data_ptr()
         self._nbytes = layout.slot_bytes
 
@@ -86,14 +88,14 @@ class FlatBlock:
         )
 
     def holds(self, tensors: Mapping[Key, torch.Tensor]) -> bool:
-        """Whether `tensors` (every key, in layout order) are still the block's views:
-        one address per tensor, the check of a publish."""
-        return self.at(list(map(_DATA_PTR, tensors.values())))
+        """Whether `tensors` (every key, in layout order) are still the block's views
+        and the block is in place: one address per tensor, read from Python."""
+        return list(map(_DATA_PTR, tensors.values())) == self._addresses and self.in_place()
 
-    def at(self, addresses: list[int]) -> bool:
-        """Whether tensors at `addresses` (every key, in layout order) are the block's
-        views, and the block is in place."""
-        return addresses == self._addresses and self.in_place()
+    def addresses(self) -> bytes:
+        """Where the block's views are (`_places.pack`ed, layout order): what
+        `Source.at` checks the module's tensors against, with `in_place`."""
+        return self._packed
 
     def moved(self, tensors: Mapping[Key, torch.Tensor]) -> list[Key]:
         """The keys of `tensors` that are not at their place in the block."""

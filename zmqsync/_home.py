@@ -37,6 +37,7 @@ from torch.utils.dlpack import from_dlpack
 from ._copy import SHARED_COPY_MAX, SHARED_COPY_MIN, STREAM_COPY_MIN, ByteCopies
 from ._flat import FlatBlock
 from ._layout import Key, Layout
+from ._places import pack
 
 __all__ = ["HomeBlock", "SWAP_DATA_PTR"]
 
@@ -54,7 +55,7 @@ class HomeBlock:
     """The trainer's tensors as views of the home slot, moved along the slots (module doc)."""
 
     __slots__ = ("model", "views", "keys", "slot", "_slots", "_holders", "_bases", "_offsets",
-                 "_addresses", "_nbytes", "_copies")  # fmt: skip
+                 "_addresses", "_packed", "_nbytes", "_copies")  # fmt: skip
 
     def __init__(self, layout: Layout, slots: Sequence[torch.Tensor], home: int) -> None:
         """`slots`: every slot's flat uint8 bytes; the model starts at slot `home`."""
@@ -73,7 +74,8 @@ class HomeBlock:
         self.views = layout.views(block)
         self.keys = tuple(self.views)
         self._offsets = [view.data_ptr() - self._bases[home] for view in self.views.values()]
-        self._addresses: dict[int, list[int]] = {}
+        self._addresses: dict[int, list[int]] = {}  # per slot, as `_DATA_PTR` reads them
+        self._packed: dict[int, bytes] = {}  # per slot, as `Source.at` checks them
         self._copies: dict[tuple[int, int, bool], ByteCopies] = {}
         self.slot = home  # -1 once moved out
 
@@ -82,7 +84,7 @@ class HomeBlock:
         already)."""
         FlatBlock.point(tensors, self.views)
 
-    def addresses(self) -> list[int]:
+    def _listed(self) -> list[int]:
         """Where the trainer's tensors are while the model is at its slot (layout order)."""
         found = self._addresses.get(self.slot)
         if found is None:
@@ -90,25 +92,34 @@ class HomeBlock:
             found = self._addresses[self.slot] = [base + offset for offset in self._offsets]
         return found
 
-    def at(self, addresses: list[int]) -> bool:
-        """Whether tensors at `addresses` (every key, in layout order) are the model's
-        views, and the model is at the home slot: the check of a publish."""
+    def addresses(self) -> bytes:
+        """The same, `_places.pack`ed: what `Source.at` checks the module's tensors
+        against, with `in_place`."""
+        found = self._packed.get(self.slot)
+        if found is None:
+            found = self._packed[self.slot] = pack(self._listed())
+        return found
+
+    def in_place(self) -> bool:
+        """Whether the model is at the home slot, whole (its storage was not resized
+        through a view, nor moved out)."""
         at = self.slot
         return (
             at >= 0
             and self.model.data_ptr() == self._bases[at]
             and self.model.nbytes() == self._nbytes
-            and addresses == self.addresses()
         )
 
     def holds(self, tensors: Mapping[Key, torch.Tensor]) -> bool:
-        return self.at(list(map(_DATA_PTR, tensors.values())))
+        """Whether `tensors` (every key, in layout order) are the model's views and the
+        model is in place: one address per tensor, read from Python."""
+        return self.in_place() and list(map(_DATA_PTR, tensors.values())) == self._listed()
 
     def moved(self, tensors: Mapping[Key, torch.Tensor]) -> list[Key]:
         """The keys of `tensors` that are not at their place in the home slot."""
         return [
             key
-            for key, address in zip(self.keys, self.addresses(), strict=True)
+            for key, address in zip(self.keys, self._listed(), strict=True)
             if key not in tensors or tensors[key].data_ptr() != address
         ]
 

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from . import _places as places
 from ._errors import LayoutMismatch
 from ._protocol import ALIGN, DTYPES, TensorSpec, contiguous_stride
 
@@ -193,16 +194,13 @@ class ModuleReader:
         self._generation = -1
         self._walked_at = -math.inf
 
-    def addresses(self) -> list[int] | None:
-        """The data pointers of the tensors `read` would return, in its order, without
-        building its dict (the flat layout's check of a publish: one C-level pass);
-        None when `read` would walk the module again, or an entry is gone."""
+    def at(self, addresses: bytes) -> bool:
+        """Whether the tensors `read` would return are at `addresses` (`_places.pack`ed,
+        in its order), without building its dict: the flat layout's check of a publish,
+        one pass in C++ (`_places.at`). False when `read` would walk the module again."""
         if self._generation != _structure[0] or time.monotonic() - self._walked_at >= self.REWALK_S:
-            return None
-        try:
-            return list(map(_DATA_PTR, map(dict.__getitem__, self._owners, self._names)))
-        except (KeyError, TypeError):  # gone, or None: `read` walks again
-            return None
+            return False
+        return places.at(self._owners, self._names, addresses)
 
     def read(self) -> dict[Key, torch.Tensor]:
         now = time.monotonic()
@@ -221,9 +219,6 @@ class ModuleReader:
         if not self._plan:
             raise ValueError("weights hold no tensors: nothing to publish")
         return {key: owner[name] for key, owner, name in self._plan}
-
-
-_DATA_PTR: Callable[[torch.Tensor], int] = torch.Tensor.data_ptr
 
 
 def _is_tensordict(obj: Any) -> bool:

@@ -60,11 +60,11 @@ class Source:
         self._key_of: dict[str | Key, Key] = {spec.key: spec.key for spec in self.layout.specs}
         self._key_of.update({spec.name: spec.key for spec in self.layout.specs})
 
-    def addresses(self) -> list[int] | None:
-        """The data pointers of the module's tensors in layout order, read without a
-        dict (`ModuleReader.addresses`); None for other weights, or when they must be
-        read again."""
-        return self._reader.addresses() if self._reader is not None else None
+    def at(self, addresses: bytes) -> bool:
+        """Whether the module's tensors are at `addresses` (`_places.pack`ed, in layout
+        order), checked without reading them into a dict (`ModuleReader.at`); False for
+        other weights, or when they must be read again."""
+        return self._reader is not None and self._reader.at(addresses)
 
     def reread(self, weights: Any = None) -> dict[Key, torch.Tensor]:
         """The tensors to publish, unchecked: `weights`, or the source re-read."""

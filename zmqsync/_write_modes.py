@@ -193,7 +193,7 @@ class CopyWrites(Mode):
         self._whole = None
         block = self._block
         if block is not None and weights is None and named is None:
-            if self._unchanged is None and block.at(self.source.addresses() or []):
+            if self._unchanged is None and block.in_place() and self.source.at(block.addresses()):
                 self._whole = {}  # the block is the version: nothing else is read
                 return self._whole, None
             flat = self.source.reread()

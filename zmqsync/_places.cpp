@@ -1,0 +1,102 @@
+/* zmqsync._places_native: whether a module's tensors are at the addresses the flat
+ * layout put them, in one pass (the contract and its Python twin: _places.py).
+ *
+ * Each tensor is looked up in its owner's dict (a module's _parameters or _buffers) and
+ * its data pointer read through `data_ptr`: the function torch exports, as an address,
+ * for the C++ its compiler generates to read a tensor's data pointer without torch's
+ * headers (torch._C._dynamo.guards._torchinductor_pyobject_tensor_data_ptr). It throws
+ * a C++ exception for what has no data pointer (not a tensor, a sparse tensor, a tensor
+ * without storage): caught here, it means "not there", as any other surprise does, and
+ * the caller then reads and checks in Python, which decides.
+ *
+ * C++ only for that catch: nothing else here needs it, and nothing of torch is
+ * included.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+using DataPtr = void *(*)(PyObject *);
+
+/* The data pointer of `obj`, or false when it has none, after a check that ran Python
+ * code (an isinstance hook) and failed, or when something was thrown. */
+bool data_ptr_of(DataPtr data_ptr, PyObject *obj, std::uint64_t *found)
+{
+    try {
+        *found = static_cast<std::uint64_t>(reinterpret_cast<std::uintptr_t>(data_ptr(obj)));
+    } catch (...) {
+        return false;
+    }
+    if (PyErr_Occurred()) {
+        PyErr_Clear();
+        return false;
+    }
+    return true;
+}
+
+const char at_doc[] =
+    "at(data_ptr, owners, names, addresses) -> bool\n\n"
+    "Whether owners[i][names[i]] is a tensor whose data pointer is the i-th native uint64\n"
+    "of `addresses`, for every i (`data_ptr`: the address of torch's function; `owners`:\n"
+    "a list of dicts, `names`: a list as long, `addresses`: bytes). False for anything\n"
+    "else: a missing or non-tensor entry, lengths that differ, a tensor without a data\n"
+    "pointer.";
+
+PyObject *at(PyObject *, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 4 || !PyLong_CheckExact(args[0]) || !PyList_CheckExact(args[1])
+        || !PyList_CheckExact(args[2]) || !PyBytes_CheckExact(args[3])) {
+        PyErr_SetString(PyExc_TypeError,
+                        "at(data_ptr: int, owners: list, names: list, addresses: bytes)");
+        return nullptr;
+    }
+    PyObject *owners = args[1], *names = args[2], *addresses = args[3];
+    auto data_ptr = reinterpret_cast<DataPtr>(PyLong_AsVoidPtr(args[0]));
+    if (data_ptr == nullptr) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "at: data_ptr is 0");
+        return nullptr;
+    }
+    const Py_ssize_t n = PyList_GET_SIZE(owners);
+    if (PyList_GET_SIZE(names) != n || PyBytes_GET_SIZE(addresses) != n * 8)
+        Py_RETURN_FALSE;
+    const char *wanted = PyBytes_AS_STRING(addresses);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *owner = PyList_GET_ITEM(owners, i);
+        if (!PyDict_Check(owner))
+            Py_RETURN_FALSE;
+        PyObject *tensor = PyDict_GetItemWithError(owner, PyList_GET_ITEM(names, i));
+        if (tensor == nullptr) {
+            PyErr_Clear();
+            Py_RETURN_FALSE;
+        }
+        Py_INCREF(tensor); /* borrowed from a dict that Python code could change */
+        std::uint64_t found = 0, want = 0;
+        const bool has = data_ptr_of(data_ptr, tensor, &found);
+        Py_DECREF(tensor);
+        std::memcpy(&want, wanted + 8 * i, 8);
+        if (!has || found != want)
+            Py_RETURN_FALSE;
+    }
+    Py_RETURN_TRUE;
+}
+
+PyMethodDef methods[] = {
+    {"at", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(at)), METH_FASTCALL,
+     at_doc},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "zmqsync._places_native",
+    "Whether a module's tensors are at given addresses, in one pass (see _places.py).", -1,
+    methods,
+};
+
+} // namespace
+
+PyMODINIT_FUNC PyInit__places_native(void) { return PyModule_Create(&module); }
