@@ -10,6 +10,7 @@ import torch
 
 import zmqsync
 from tests.helpers.models import Mixed, filled, train_step
+from zmqsync import _config
 from zmqsync._checksum import digest
 from zmqsync._layout import flatten
 
@@ -212,6 +213,32 @@ def test_close_leaves_nothing_behind(name, bus_dirs):
         pub.publish()
     with pytest.raises(zmqsync.ClosedError):
         pub.start()
+
+
+def test_close_removes_the_socket_files_even_when_the_agent_thread_is_stuck(
+    name, bus_dirs, monkeypatch, caplog
+):
+    # A thread that keeps the sockets' lock (say, a signal landed between its acquire and
+    # its try) leaves the agent thread waiting past close()'s join: the process may end
+    # before that thread removes its files, so close() removes them itself.
+    runtime, shm = bus_dirs
+    monkeypatch.setattr(_config, "THREAD_JOIN_S", 0.2)
+    monkeypatch.setenv("ZMQSYNC_TAP", "1")
+    pub = zmqsync.Publisher({"x": torch.zeros(1)}, name=name).start()
+    sockets = [p for p in os.listdir(runtime) if p.startswith(name)]
+    assert len(sockets) == 4, sockets  # control, events, acks, tap
+    io = pub._shared.io
+    io.acquire()
+    try:
+        with caplog.at_level("WARNING", logger="zmqsync"):
+            pub.close()
+        assert "did not stop within its deadline" in caplog.text
+        assert [p for p in os.listdir(runtime) if p.startswith(name)] == []
+        assert os.listdir(shm) == []
+    finally:
+        io.release()
+    pub._agent._thread.join(10)  # lets go once it has the lock: nothing left to close
+    assert not pub._agent._thread.is_alive()
 
 
 def test_default_address_lives_in_a_private_runtime_dir(name, bus_dirs):

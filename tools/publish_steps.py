@@ -6,6 +6,8 @@ that drift on a shared machine hits every way alike:
 
 * ``home``: ``Copy(flat=True)``: the trainer's tensors live in a slot of the segment; a
   publish announces it and copies it to the next free slot while the workers read;
+* ``home-py``: the same, with the check that every tensor is at its place made from
+  Python (`_places.at_reference`) instead of the C++ pass;
 * ``block``: the same flat layout with the block in private memory (what ``flat=True``
   does without torch's pointer swap): a publish copies the block into a free slot, then
   announces;
@@ -38,10 +40,10 @@ from rich.console import Console
 from rich.table import Table
 
 import zmqsync
-from zmqsync import _announcer, _home, _publisher, _slots, _write_modes
+from zmqsync import _announcer, _home, _places, _publisher, _slots, _write_modes
 from zmqsync._bench_worker import make_model
 
-WAYS = ("home", "block", "tensors")
+WAYS = ("home", "home-py", "block", "tensors")
 SIZES = {"4k": ("mlp", 4 << 10), "4m": ("mlp", 4 << 20), "many": ("many", 4 << 20)}
 STEPS = (
     (_write_modes.CopyWrites, "read", "read + check"),
@@ -97,7 +99,7 @@ def _started(way: str, model: Any, name: str, shm: str) -> zmqsync.Publisher:
     if way == "block":
         vars(_write_modes)["SWAP_DATA_PTR"] = None
     try:
-        writes = zmqsync.Copy(flat=way != "tensors")
+        writes = zmqsync.Copy(flat=way != "tensors")  # home-py: `main` switches the check
         return zmqsync.Publisher(model, name=name, writes=writes, shm_dir=shm, timeout=60).start()
     finally:
         vars(_write_modes)["SWAP_DATA_PTR"] = swap
@@ -144,8 +146,10 @@ def main() -> int:
 
         stack.callback(stop_workers)
         with contextlib.contextmanager(_timed)(samples, way):
+            checks = {w: _places.at_reference if w == "home-py" else _places.at for w in WAYS}
             for _ in range(args.rounds):
                 for w in WAYS:
+                    _places.at = checks[w]
                     for i in range(args.iters + 10):  # 10 warm-up publishes per round
                         way[0] = w if i >= 10 else ""
                         t = time.perf_counter()

@@ -94,7 +94,7 @@ PyMethodDef methods[] = {
 PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "zmqsync._places_native",
     "Whether a module's tensors are at given addresses, in one pass (see _places.py).", -1,
-    methods,
+    methods, nullptr, nullptr, nullptr, nullptr,
 };
 
 } // namespace

@@ -156,12 +156,25 @@ class Agent:
             self._orphaned = True
             self.command(b"stop")
             return
+        stuck = False
         if self._thread.is_alive():
             self.command(b"stop")
             self._thread.join(_config.CLOSE_BYE_WAIT_S + _config.THREAD_JOIN_S)
-            if self._thread.is_alive():
-                log.warning("publisher agent thread did not stop within its deadline")
+            stuck = self._thread.is_alive()
+            if stuck:
+                log.warning("publisher agent thread did not stop within its deadline; its "
+                            "sockets are closed and their files removed from here")  # fmt: skip
         self._release()
+        if stuck:  # the process may end before the thread gets to its own removal
+            self.remove_socket_files()
+
+    def remove_socket_files(self) -> None:
+        """Remove the ipc:// socket files this agent bound (libzmq leaves them behind).
+        Idempotent; from either thread: the endpoints were read when they were bound."""
+        for endpoint in list(self.endpoints.values()):
+            if endpoint.startswith("ipc://"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(endpoint[len("ipc://") :])
 
     def _release(self) -> None:
         self._ack_reader = None  # it uses the acks socket, which goes with the context
@@ -189,8 +202,6 @@ class Agent:
         finally:
             self.gate.close()
             bound = [self.control, *self._bus_sockets()]
-            control = self.control.getsockopt_string(zmq.LAST_ENDPOINT)  # the others: cached
-            endpoints = [control, *(e for e in self.endpoints.values() if e)]
             # A publishing thread may be using them; it holds `_io` for one bounded step.
             if self.shared.io.acquire(timeout=IO_LOCK_S):
                 try:
@@ -203,10 +214,7 @@ class Agent:
                     self.shared.io.release()
             else:  # left to the context's destroy in stop()
                 log.warning("publisher agent: sockets still in use at exit; not closed here")
-            for endpoint in endpoints:  # libzmq leaves ipc socket files behind
-                if endpoint.startswith("ipc://"):
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(endpoint[len("ipc://") :])
+            self.remove_socket_files()
             if self._orphaned:
                 self._release()
 
@@ -296,6 +304,7 @@ class Agent:
                 error=zmq_error,
             )
         self.endpoints = {
+            "control": self.control.getsockopt_string(zmq.LAST_ENDPOINT),
             "events": self.events.getsockopt_string(zmq.LAST_ENDPOINT),
             "acks": self.acks.getsockopt_string(zmq.LAST_ENDPOINT),
             "tap": "" if self.tap is None else self.tap.getsockopt_string(zmq.LAST_ENDPOINT),
