@@ -3,9 +3,10 @@
 A flat publish announces the block as the version, which is sound only while every
 tensor the trainer's module holds still views its place in the block: one data pointer
 per tensor, compared on every publish. From Python that is ``Tensor.data_ptr()`` per
-tensor, ~80 ns each through torch's method call: 160-190 µs of a 2,000-tensor model's
-~800 µs publish, the largest cost left beside the copies. `at` makes the same check in
-one pass of C++ (``_places.cpp``, ~10 ns a tensor): it looks each tensor up in its
+tensor, ~80-150 ns each through torch's method call (by host state): 160-290 µs of a
+2,000-tensor model's ~800 µs publish, the largest cost left beside the copies. `at`
+makes the same check in one pass of C++ (``_places.cpp``, ~20 ns a tensor, 40 µs for
+those 2,000): it looks each tensor up in its
 owner's dict and reads its data pointer through the function torch exports for the C++
 its compiler generates (``torch._C._dynamo.guards._torchinductor_pyobject_tensor_data_ptr``,
 a function's address: inductor's kernels read a tensor's data pointer with it, without
@@ -18,6 +19,9 @@ that differ, a tensor with no data pointer, anything raised). False is never wro
 slow: the caller then reads the module and checks it in Python, which decides. Without
 the extension, or without torch's function (another torch), or where the probe below
 finds that it does not return what ``Tensor.data_ptr()`` does, `at` is the twin.
+
+``ZMQSYNC_NATIVE=0`` turns it off as it does ``_native``; `_native_lib.native_class` is
+not reused for that because it imports zmq, which this layer never does.
 """
 
 from __future__ import annotations
