@@ -6,10 +6,12 @@ the bookkeeping, the ACK) cost a worker ~45 us of CPU per version, and a publish
 for the sum over the workers on the cores. The Follower does the same steps in C for
 the common case and hands Python everything else (see ``_follower.c``).
 
-It is taken in alias mode with background apply on the CPU (a `Switch`), without an
-``on_update`` callback, once a version of the bus was applied; ZMQSYNC_NATIVE=0 turns it
-off, as it turns off the native copies. Without the extension every version goes the
-Python way, which does the same.
+It is taken in alias mode with background apply on the CPU (a `Switch`), and in copy
+mode, where it calls the target's copier (one block copy for a flat model) between the
+seqlock reads; either way with background apply, without an ``on_update`` callback,
+and once a version of the bus was applied (`can_take` holds the whole rule).
+ZMQSYNC_NATIVE=0 turns it off, as it turns off the native copies. Without the extension
+every version goes the Python way (`ReferenceFollower`, its twin), which does the same.
 
 A thread in `Subscriber.wait_for_version` sleeps on a `_native.Gate` (a futex) when the
 extension is there, whichever way the versions come: the Follower opens it without
