@@ -238,6 +238,16 @@ class Run:
 
         `copy` is (source, destination) of the memcpy floor: a view of the trainer's
         bytes (its tensors' storage) and a file in the run's shm dir.
+
+        In copy mode the samples of the memcpy on torch's threads come after the timed
+        loop, as many: torch's OpenMP threads spin for ~8 ms after a copy on them (here),
+        so a sample inside the loop left a third busy thread in the trainer through the
+        next raw round, N+1-copies round and publish. On two cores, which of those
+        threads shared a core with it decided the round, and the draw held for hundreds
+        of milliseconds: the publish of a 4 MB model to one copy worker moved between
+        ~0.5 and ~1.5 ms within one point while the floor beside it did not. Its floor
+        is the N+1 copies; the memcpy samples are only reported there. In alias mode
+        they are the floor and stay beside each publish.
         """
         import torch
 
@@ -274,10 +284,13 @@ class Run:
             got["zmqsync"] = time.perf_counter() - t
             got["lib"] = handle.seconds
             got["memcpy1"] = memcpy(1)
-            got["memcpyd"] = memcpy(default_threads)
+            if row.mode != "copy":
+                got["memcpyd"] = memcpy(default_threads)
             if i >= warmup:
                 for k, v in got.items():
                     samples[k].append(v)
+        if row.mode == "copy":
+            samples["memcpyd"] = [memcpy(default_threads) for _ in samples["zmqsync"]]
         return samples
 
     def naive_phase(self, rows: list[Row], size: Size, fan: Fanout) -> None:
