@@ -24,7 +24,7 @@ import zmqsync
 from tests.helpers import native
 from zmqsync import _places
 from zmqsync._layout import ModuleReader
-from zmqsync._places import at_reference, pack
+from zmqsync._places import Places, at_reference, pack
 
 
 class NoStorage(torch.Tensor):
@@ -137,6 +137,122 @@ def test_the_check_is_the_cpp_one_where_it_is_built():
     assert _places.at is _native_at()
 
 
+def _native_still_at() -> Any:
+    _native_at()
+    if _places.NATIVE_STILL_AT is None:
+        native.missing("the remembered check is not in use (this Python's dicts have no tags)")
+    return _places.NATIVE_STILL_AT
+
+
+# What a trainer (or anything else) can do to a module's dicts and tensors between two
+# checks. Each takes (owners, tensors, spare) and changes one thing.
+def _repoint(owners, tensors, spare):
+    tensors[0].data = spare  # same object, elsewhere: no dict changes
+
+
+def _restore(owners, tensors, spare):
+    tensors[0].data = _BASE[0:4]
+
+
+def _replace_elsewhere(owners, tensors, spare):
+    owners[1]["b"] = spare
+
+
+def _replace_same_place(owners, tensors, spare):
+    owners[1]["b"] = _BASE[4:8]  # another object at the address the check wants
+
+
+def _put_back(owners, tensors, spare):
+    owners[1]["b"] = tensors[1]
+
+
+def _delete(owners, tensors, spare):
+    owners[0].pop("a", None)
+
+
+def _reinsert(owners, tensors, spare):
+    owners[0]["a"] = tensors[0]
+
+
+def _set_again(owners, tensors, spare):
+    owners[0]["c"] = owners[0].get("c", tensors[2])
+
+
+def _unrelated(owners, tensors, spare):
+    owners[1]["other"] = spare
+
+
+def _to_none(owners, tensors, spare):
+    owners[0]["c"] = None
+
+
+def _no_change(owners, tensors, spare):
+    pass
+
+
+_CHANGES = [
+    _repoint,
+    _restore,
+    _replace_elsewhere,
+    _replace_same_place,
+    _put_back,
+    _delete,
+    _reinsert,
+    _set_again,
+    _unrelated,
+    _to_none,
+    _no_change,
+]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(_CHANGES), max_size=12))
+def test_the_remembered_check_answers_as_the_lookups_do(changes):
+    tensors = [_BASE[0:4].clone().view(4), _BASE[4:8], _BASE[8:12]]
+    tensors[0].data = _BASE[0:4]  # a view of the base, as the other two
+    owners: list[Any] = [{"a": tensors[0], "c": tensors[2]}, {"b": tensors[1]}]
+    owners = [owners[0], owners[1], owners[0]]
+    names = ["a", "b", "c"]
+    addresses = pack([t.data_ptr() for t in tensors])
+    spare = torch.zeros(4)
+    places = Places(owners, names)
+    assert places.at(addresses) is at_reference(owners, names, addresses) is True
+    for change in changes:
+        change(owners, tensors, spare)
+        assert places.at(addresses) is at_reference(owners, names, addresses), change.__name__
+
+
+def test_a_changed_dict_makes_the_remembered_check_look_up_again():
+    versions, still_at = _native_still_at()
+    probe = torch.zeros(2)
+    owner: dict[str, Any] = {"p": probe}
+    where = pack([probe.data_ptr()])
+    tags = versions([owner])
+    assert still_at([owner], tags, [probe], where)
+    owner["q"] = 1  # any change, even to another entry
+    assert not still_at([owner], tags, [probe], where)
+    tags = versions([owner])
+    del owner["q"]
+    assert not still_at([owner], tags, [probe], where)
+    tags = versions([owner])
+    assert not still_at([owner], tags, [probe], pack([probe.data_ptr() + 4]))
+    assert not still_at([owner], tags[:-1], [probe], where), "tags of another length"
+    assert not still_at([owner], tags, [probe, probe], where), "objects of another length"
+    assert versions([owner, [probe]]) is None, "not a dict: no tags"
+
+
+def test_the_remembered_check_refuses_arguments_of_the_wrong_types():
+    _native_still_at()
+    from zmqsync._places_native import still_at, versions
+
+    with pytest.raises(TypeError):
+        versions(({},))
+    with pytest.raises(TypeError):
+        still_at(1, [], b"", (), b"")
+    with pytest.raises(ValueError):
+        still_at(0, [], b"", [], b"")
+
+
 class Blocks(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -181,3 +297,21 @@ def test_a_flat_publish_sees_a_re_pointed_parameter(name, caplog):
         assert sub.wait_for_version(pub.version, timeout=20)
         assert torch.equal(worker_model.a.weight, torch.full((2, 3), 5.0))
         assert torch.equal(worker_model.b[2].bias, torch.full((2,), 3.0))
+
+
+def test_the_reader_remembers_its_lookups_while_no_dict_changes():
+    _native_still_at()
+    model = Blocks()
+    owners = [model.a._parameters, model.a._parameters]
+    names = ["weight", "bias"]
+    where = pack([model.a.weight.data_ptr(), model.a.bias.data_ptr()])
+    places = Places(owners, names)
+    assert not places.remembers
+    assert places.at(where) and places.remembers
+    model.a.weight.data = torch.ones(2, 3)
+    assert not places.at(where), "re-pointed in place: its data pointer is checked"
+    assert not places.remembers
+    model.a.weight = torch.nn.Parameter(torch.ones(2, 3))
+    assert not places.at(where)
+    where = pack([model.a.weight.data_ptr(), model.a.bias.data_ptr()])
+    assert places.at(where) and places.remembers, "a new Parameter, at its new place"

@@ -191,6 +191,7 @@ class ModuleReader:
         self._plan: list[tuple[Key, dict[str, Any], str]] = []
         self._owners: list[dict[str, Any]] = []  # the plan's owners and names, apart
         self._names: list[str] = []
+        self._places = places.Places([], [])  # the check of `at`, for these owners
         self._generation = -1
         self._walked_at = -math.inf
 
@@ -200,7 +201,7 @@ class ModuleReader:
         one pass in C++ (`_places.at`). False when `read` would walk the module again."""
         if self._generation != _structure[0] or time.monotonic() - self._walked_at >= self.REWALK_S:
             return False
-        return places.at(self._owners, self._names, addresses)
+        return self._places.at(addresses)
 
     def read(self) -> dict[Key, torch.Tensor]:
         now = time.monotonic()
@@ -215,6 +216,7 @@ class ModuleReader:
         self._plan = [(self._keys.get(k, k), o, n) for k, o, n in _module_plan(self._module)]
         self._owners = [owner for _, owner, _ in self._plan]
         self._names = [name for _, _, name in self._plan]
+        self._places = places.Places(self._owners, self._names)
         self._walked_at = now
         if not self._plan:
             raise ValueError("weights hold no tensors: nothing to publish")
