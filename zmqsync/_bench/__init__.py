@@ -8,7 +8,9 @@ the same machine state, interleaved iteration by iteration:
 * **raw ZeroMQ floor**: a tiny message PUB→SUB to the same N processes, then
   PUSH→PULL back from each (ipc://, as zmqsync's default address).
 * **memcpy floor**: one torch ``copy_`` of the model's bytes into shared memory, with
-  1 thread and with torch's default threads; the floor is the faster of the two.
+  1 thread and with torch's default threads; the floor is the faster of the two. (In
+  copy mode, where it is not the floor, the default-threads samples come after the
+  timed loop: torch's threads spin for milliseconds after one.)
 * **copy floor (copy mode)**: N+1 concurrent copies: the harness sends a tiny "go",
   every worker copies the bytes from shared memory into its own model, the harness
   copies the trainer's bytes into shared memory; from "go" to the last "done".
