@@ -45,6 +45,26 @@ bool data_ptr_of(DataPtr data_ptr, PyObject *obj, std::uint64_t *found)
     return true;
 }
 
+/* torch's function from its address (a Python int), or null with an error set. */
+DataPtr bound(PyObject *address, const char *who)
+{
+    auto data_ptr = reinterpret_cast<DataPtr>(PyLong_AsVoidPtr(address));
+    if (data_ptr == nullptr && !PyErr_Occurred())
+        PyErr_Format(PyExc_ValueError, "%s: data_ptr is 0", who);
+    return data_ptr;
+}
+
+/* Whether `tensor` has a data pointer and it is the i-th native uint64 of `wanted`. */
+bool is_at(DataPtr data_ptr, PyObject *tensor, const char *wanted, Py_ssize_t i)
+{
+    Py_INCREF(tensor); /* borrowed from a container that Python code could change */
+    std::uint64_t found = 0, want = 0;
+    const bool has = data_ptr_of(data_ptr, tensor, &found);
+    Py_DECREF(tensor);
+    std::memcpy(&want, wanted + 8 * i, 8);
+    return has && found == want;
+}
+
 const char at_doc[] =
     "at(data_ptr, owners, names, addresses) -> bool\n\n"
     "Whether owners[i][names[i]] is a tensor whose data pointer is the i-th native uint64\n"
@@ -62,12 +82,9 @@ PyObject *at(PyObject *, PyObject *const *args, Py_ssize_t nargs)
         return nullptr;
     }
     PyObject *owners = args[1], *names = args[2], *addresses = args[3];
-    auto data_ptr = reinterpret_cast<DataPtr>(PyLong_AsVoidPtr(args[0]));
-    if (data_ptr == nullptr) {
-        if (!PyErr_Occurred())
-            PyErr_SetString(PyExc_ValueError, "at: data_ptr is 0");
+    const DataPtr data_ptr = bound(args[0], "at");
+    if (data_ptr == nullptr)
         return nullptr;
-    }
     const Py_ssize_t n = PyList_GET_SIZE(owners);
     if (PyList_GET_SIZE(names) != n || PyBytes_GET_SIZE(addresses) != n * 8)
         Py_RETURN_FALSE;
@@ -81,12 +98,7 @@ PyObject *at(PyObject *, PyObject *const *args, Py_ssize_t nargs)
             PyErr_Clear();
             Py_RETURN_FALSE;
         }
-        Py_INCREF(tensor); /* borrowed from a dict that Python code could change */
-        std::uint64_t found = 0, want = 0;
-        const bool has = data_ptr_of(data_ptr, tensor, &found);
-        Py_DECREF(tensor);
-        std::memcpy(&want, wanted + 8 * i, 8);
-        if (!has || found != want)
+        if (!is_at(data_ptr, tensor, wanted, i))
             Py_RETURN_FALSE;
     }
     Py_RETURN_TRUE;
@@ -171,26 +183,16 @@ PyObject *still_at(PyObject *, PyObject *const *args, Py_ssize_t nargs)
         return nullptr;
     }
     PyObject *dicts = args[1], *tags = args[2], *objects = args[3], *addresses = args[4];
-    auto data_ptr = reinterpret_cast<DataPtr>(PyLong_AsVoidPtr(args[0]));
-    if (data_ptr == nullptr) {
-        if (!PyErr_Occurred())
-            PyErr_SetString(PyExc_ValueError, "still_at: data_ptr is 0");
+    const DataPtr data_ptr = bound(args[0], "still_at");
+    if (data_ptr == nullptr)
         return nullptr;
-    }
     const Py_ssize_t n = PyList_GET_SIZE(objects);
     if (PyBytes_GET_SIZE(addresses) != n * 8 || !unchanged(dicts, tags))
         Py_RETURN_FALSE;
     const char *wanted = PyBytes_AS_STRING(addresses);
-    for (Py_ssize_t i = 0; i < n && i < PyList_GET_SIZE(objects); i++) {
-        PyObject *tensor = PyList_GET_ITEM(objects, i);
-        Py_INCREF(tensor); /* the list is the caller's: Python code could change it */
-        std::uint64_t found = 0, want = 0;
-        const bool has = data_ptr_of(data_ptr, tensor, &found);
-        Py_DECREF(tensor);
-        std::memcpy(&want, wanted + 8 * i, 8);
-        if (!has || found != want)
+    for (Py_ssize_t i = 0; i < n && i < PyList_GET_SIZE(objects); i++)
+        if (!is_at(data_ptr, PyList_GET_ITEM(objects, i), wanted, i))
             Py_RETURN_FALSE;
-    }
     if (PyList_GET_SIZE(objects) != n || !unchanged(dicts, tags))
         Py_RETURN_FALSE;
     Py_RETURN_TRUE;
