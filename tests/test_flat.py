@@ -287,3 +287,41 @@ def test_weights_the_block_cannot_take_publish_tensor_by_tensor(name, caplog):
 def test_flat_takes_no_dtype():
     with pytest.raises(ValueError, match="no dtype"):
         zmqsync.Copy(flat=True, dtype=torch.bfloat16)
+
+
+class _CountingList(torch.nn.ParameterList):
+    """A ParameterList that counts the times it is asked for its own parameters."""
+
+    asked = 0
+
+    def named_parameters(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if kwargs.get("recurse") is False:
+            type(self).asked += 1
+        return super().named_parameters(*args, **kwargs)
+
+
+class _Wide(torch.nn.Module):
+    """One module holding 1,500 tensors itself (a ParameterList, experts side by side)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = _CountingList(torch.nn.Parameter(torch.randn(16)) for _ in range(1500))
+
+
+@pytest.mark.parametrize(("mode", "flat"), [("alias", False), ("copy", True)])
+def test_a_worker_asks_a_module_of_many_tensors_for_them_once_per_join(name, mode, flat):
+    """Asked once per tensor, a join of 2,000 tensors held by one module took seconds."""
+    model, worker_model = _Wide(), _Wide()
+    params = list(worker_model.parameters())
+    with zmqsync.Publisher(model, name=name) as pub:
+        pub.publish()
+        _CountingList.asked = 0
+        with zmqsync.Subscriber(name=name, model=worker_model, mode=mode, flat=flat) as sub:
+            assert sub.version == 1
+            assert _CountingList.asked == 1
+            assert list(worker_model.parameters()) == params, "the same Parameter objects"
+            assert _same(worker_model, model)
+            with torch.no_grad():
+                model.experts[1499].add_(1.0)
+            assert sub.wait_for_version(pub.publish().version, timeout=10)
+            assert _same(worker_model, model)

@@ -414,9 +414,17 @@ def _binders(model: Any, views: Mapping[Key, torch.Tensor]) -> _Binders:
     params: list[tuple[torch.Tensor, torch.Tensor]] = []
     stores: list[tuple[Callable[[torch.Tensor], None], torch.Tensor]] = []
     if isinstance(model, torch.nn.Module):
+        # One lookup per owner, not per tensor: a module that holds thousands of
+        # tensors itself (a ParameterList, experts side by side) made this quadratic,
+        # seconds of a worker's join at 2,000 tensors.
+        owners: dict[Key, tuple[torch.nn.Module, dict[str, torch.nn.Parameter]]] = {}
         for key, view in views.items():
-            owner = model.get_submodule(".".join(key[:-1])) if len(key) > 1 else model
-            param = dict(owner.named_parameters(recurse=False)).get(key[-1])
+            path = key[:-1]
+            if path not in owners:
+                owner = model.get_submodule(".".join(path)) if path else model
+                owners[path] = (owner, dict(owner.named_parameters(recurse=False)))
+            owner, own = owners[path]
+            param = own.get(key[-1])
             if param is not None:  # keep the Parameter object: optimizers and hooks hold it
                 params.append((param, view))
             else:
