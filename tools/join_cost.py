@@ -24,8 +24,13 @@ only (ipc:// or 127.0.0.1), from a little before the joins until the round's pub
               connects to its events port without keys, in a loop. Workers use the keys.
 ``burn``      K CPU-bound processes (``--burn K``, default 2 per core) while joining.
 
+``--model many`` joins a model of 2,000 vectors of 512 floats held by one module (a
+``ParameterList``, as the bench's 2,000-tensor model), ``--mode alias`` and ``--flat``
+as the bench runs it (a flat publisher; copy workers keep one block).
+
     .venv/bin/python tools/join_cost.py --workers 4 --rounds 5 --storms none events hello
     .venv/bin/python tools/join_cost.py --sides before=/tmp/before after --storms none
+    .venv/bin/python tools/join_cost.py --model many --mode alias --flat --workers 4
 
 Prints per side and storm: joins in time, the join's p50 and max in seconds, deaf
 workers, and the round's publish; ``--json PATH`` writes every sample.
@@ -62,9 +67,15 @@ CONNECT_STORM = HERE.parent / "connect_storm.py"
 _CONNECTS = ("events", "zmtp", "tap", "curve")
 
 
-def _model() -> Any:
+MANY_TENSORS = 2000
+
+
+def _model(kind: str = "mlp") -> Any:
+    import torch
     from torch import nn
 
+    if kind == "many":
+        return nn.ParameterList(nn.Parameter(torch.randn(512)) for _ in range(MANY_TENSORS))
     return nn.Sequential(*[nn.Linear(16, 16) for _ in range(4)])
 
 
@@ -77,17 +88,18 @@ def _free_port() -> int:
 # --- roles (subprocesses) ---------------------------------------------------------------
 
 
-def trainer(name: str, storm: str) -> int:
+def trainer(name: str, storm: str, kind: str, flat: bool) -> int:
     """A Publisher that answers ``count`` (workers on the bus) and ``publish`` lines."""
     import zmqsync
 
     _die_with_parent()
     address = f"tcp://127.0.0.1:{_free_port()}" if storm == "curve" else None
     pub = zmqsync.Publisher(
-        _model(),
+        _model(kind),
         address,
         name=name,
         security=zmqsync.Security(curve=True if storm == "curve" else None, tap=storm == "tap"),
+        writes=zmqsync.Copy(flat=flat),
     ).start()
     from zmqsync._cli.buses import inspect_bus  # the endpoints, as `zmqsync inspect` reads them
 
@@ -114,13 +126,13 @@ def trainer(name: str, storm: str) -> int:
     return 0
 
 
-def worker(address: str, name: str) -> int:
+def worker(address: str, name: str, kind: str, mode: str, flat: bool) -> int:
     """Imports everything first; then one Subscriber per ``join`` line, closed on
     ``leave``. Reports how long start() took (or why it failed)."""
     import zmqsync
 
     _die_with_parent()
-    model = _model()
+    model = _model(kind)
     _say(event="ready")
     sub = None
     for line in sys.stdin:
@@ -128,7 +140,9 @@ def worker(address: str, name: str) -> int:
         if cmd == "join":
             t0 = time.perf_counter()
             try:
-                sub = zmqsync.Subscriber(address, name=name, model=model, timeout=JOIN_S)
+                sub = zmqsync.Subscriber(
+                    address, name=name, model=model, mode=mode, flat=flat, timeout=JOIN_S
+                )
                 sub.start()
                 _say(joined=time.perf_counter() - t0)
             except Exception as exc:  # a failed join is a sample too
@@ -259,14 +273,24 @@ class _Proc:
 
 
 class Side:
-    def __init__(self, label: str, tree: Path, storm: str, n: int, env: dict[str, str]) -> None:
+    def __init__(
+        self,
+        label: str,
+        tree: Path,
+        storm: str,
+        n: int,
+        env: dict[str, str],
+        model: tuple[str, str, bool] = ("mlp", "copy", False),
+    ) -> None:
         self.label, self.storm = label, storm
         self.env = dict(env, PYTHONPATH=str(tree))
         self.name = f"jc{uuid.uuid4().hex[:8]}"
-        self.trainer = _Proc(["_trainer", self.name, storm], self.env)
+        kind, mode, flat = model
+        self.trainer = _Proc(["_trainer", self.name, storm, kind, str(int(flat))], self.env)
         ready = self.trainer.next(READY_S)
         self.address, self.events, self.tap = ready["address"], ready["events"], ready["tap"]
-        self.workers = [_Proc(["_worker", self.address, self.name], self.env) for _ in range(n)]
+        role = ["_worker", self.address, self.name, kind, mode, str(int(flat))]
+        self.workers = [_Proc(role, self.env) for _ in range(n)]
         for w in self.workers:
             w.next(READY_S)
 
@@ -346,8 +370,8 @@ def _p(values: list[float], q: float) -> float:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     roles = {
-        "_trainer": lambda a: trainer(a[0], a[1]),
-        "_worker": lambda a: worker(a[0], a[1]),
+        "_trainer": lambda a: trainer(a[0], a[1], a[2], a[3] == "1"),
+        "_worker": lambda a: worker(a[0], a[1], a[2], a[3], a[4] == "1"),
         "_storm": lambda a: storm(a[0], a[1], a[2], float(a[3])),
     }
     if argv and argv[0] in roles:
@@ -362,8 +386,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--burn", type=int, default=2 * (os.cpu_count() or 1))
     parser.add_argument("--storm-seconds", type=float, default=JOIN_S + 20.0)
     parser.add_argument("--sides", nargs="+", default=["zmqsync"], help="LABEL[=TREE]")
+    parser.add_argument("--model", choices=("mlp", "many"), default="mlp")
+    parser.add_argument("--mode", choices=("copy", "alias"), default="copy")
+    parser.add_argument("--flat", action="store_true", help="a flat publisher and workers")
     parser.add_argument("--json", type=Path, help="write every sample here")
     args = parser.parse_args(argv)
+    model = (args.model, args.mode, args.flat)
+    if args.model != "mlp" and "hello" in args.storms:
+        parser.error("the hello storm's held worker has the small model: use --model mlp")
     runtime = tempfile.mkdtemp(prefix="zjc", dir="/tmp")
     shm = tempfile.mkdtemp(prefix="zmqsync-jc-", dir="/dev/shm")
     env = dict(os.environ, ZMQSYNC_RUNTIME_DIR=runtime, ZMQSYNC_SHM_DIR=shm)
@@ -374,7 +404,8 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 for spec in args.sides:
                     label, _, tree = spec.partition("=")
-                    sides.append(Side(label, Path(tree or ROOT), storm_kind, args.workers, env))
+                    tree_path = Path(tree or ROOT)
+                    sides.append(Side(label, tree_path, storm_kind, args.workers, env, model))
                 for r in range(args.rounds):
                     k = r % len(sides)
                     for side in sides[k:] + sides[:k]:
