@@ -55,19 +55,52 @@ def test_one_peer_over_its_rate_costs_another_peer_nothing():
 
 def test_peers_together_are_held_to_the_total_rate():
     adm = Admission(10.0, now=0.0)  # total: 40 a second, a burst of 80
-    got = sum(admitted(adm, f"pid {p}", 0.0, 20) for p in range(10))
-    assert got == 80
-    assert adm.admit("pid 99", 0.0) is Verdict.TOTAL_RATE
-    assert admitted(adm, "pid 99", 0.125, 10) == 5  # an eighth of a second of the total
-    assert adm.refused[Verdict.TOTAL_RATE] == 10 * 20 - 80 + 1 + 5
+    assert sum(admitted(adm, f"pid {p}", 0.0, 20) for p in range(4)) == 80
+    # the total is spent: a peer that has not been quiet gets nothing more from it
+    assert admitted(adm, "pid 5", 0.0, 2) == 2  # (quiet until now: the lane below)
+    assert adm.admit("pid 5", 0.0) is Verdict.TOTAL_RATE
+    later = sum(admitted(adm, f"pid {p}", 0.125, 10) for p in (0, 1, 2, 3, 5))
+    assert later == 5  # an eighth of a second of the total
+    # pid 5 asked 1 + 9 times past the total; the others were over their own rates
+    assert adm.refused[Verdict.TOTAL_RATE] == 1 + 9
+    assert adm.refused[Verdict.PEER_RATE] == 4 * 9
+
+
+def test_a_quiet_peer_gets_in_while_many_peers_storm_together():
+    # Eight processes storming at their own rate each spend the total as fast as it
+    # refills; a sniffer's first connection (a peer with a full bucket) still gets in,
+    # through a lane the storming peers cannot use (their buckets are never full).
+    adm = Admission(10.0, now=0.0)
+    now, sniffer = 0.0, []
+    while now < 10.0:
+        for p in range(8):
+            admitted(adm, f"pid {p}", now, 50)
+        if now >= 5.0 and not sniffer:
+            sniffer.append(adm.admit("pid 99", now))
+        now += 0.01
+    assert sniffer == [Verdict.ALLOW]
+    assert adm.refused[Verdict.TOTAL_RATE] > 1000
+    # a peer that went quiet for a whole burst's time is welcome again, once in a while
+    assert adm.admit("pid 3", now + 2.0) is Verdict.ALLOW
+
+
+def test_new_peers_each_get_two_connections_from_the_quiet_lane_at_most():
+    adm = Admission(10.0, now=0.0)
+    admitted(adm, "pid 0", 0.0, 20)
+    admitted(adm, "pid 1", 0.0, 20)
+    admitted(adm, "pid 2", 0.0, 20)
+    admitted(adm, "pid 3", 0.0, 20)  # the total's burst is spent
+    assert [admitted(adm, f"pid {p}", 0.0, 20) for p in range(10, 60)] == [2] * 40 + [0] * 10
+    assert adm.refused[Verdict.TOTAL_RATE] == 40 * 18 + 10 * 20  # the lane's 80 are spent
 
 
 def test_a_refused_connection_spends_no_token():
     adm = Admission(10.0, now=0.0)
+    assert admitted(adm, "pid 9", 0.0, 2) == 2  # no longer quiet
     for p in range(4):
         admitted(adm, f"pid {p}", 0.0, 20)  # the total's burst is spent
     assert adm.admit("pid 9", 0.0) is Verdict.TOTAL_RATE
-    assert admitted(adm, "pid 9", 2.0, 20) == 20  # its own bucket is still full
+    assert admitted(adm, "pid 9", 2.0, 20) == 20  # its own bucket is full again, not less
 
 
 def test_a_clock_that_goes_back_adds_no_tokens():
@@ -80,14 +113,19 @@ def test_a_clock_that_goes_back_adds_no_tokens():
 # --- members: welcomed workers' peers ---------------------------------------------------
 
 
-def test_a_member_is_never_refused_by_a_rate():
+def test_a_member_has_a_rate_of_its_own_apart_from_everyone_elses():
     adm = Admission(10.0, now=0.0, grace=30.0)
     admitted(adm, "pid 7", 0.0, 1000)  # its own bucket spent: by an attacker with its pid?
     for p in range(100):
-        admitted(adm, f"pid {p + 100}", 0.0, 20)  # and the total's
+        admitted(adm, f"pid {p + 100}", 0.0, 20)  # and the total's, and the quiet lane's
     adm.welcome("pid 7", 0.0)
-    assert admitted(adm, "pid 7", 0.0, 10_000) == 10_000
-    assert adm.refused == {Verdict.PEER_RATE: 1000 - 20, Verdict.TOTAL_RATE: 100 * 20 - 60}
+    # a member: four times a peer's rate, two seconds of burst, whatever others spent
+    assert admitted(adm, "pid 7", 0.0, 10_000) == 80
+    assert adm.admit("pid 7", 0.0) is Verdict.MEMBER_RATE
+    assert admitted(adm, "pid 7", 0.5, 100) == 20
+    assert adm.refused[Verdict.MEMBER_RATE] == 10_000 - 80 + 1 + 80
+    adm.welcome("pid 7", 0.5)  # a renewal keeps its bucket: no fresh burst
+    assert adm.admit("pid 7", 0.5) is Verdict.MEMBER_RATE
 
 
 def test_membership_lasts_its_grace_after_the_last_welcome_or_renewal():

@@ -547,7 +547,7 @@ def test_pair_an_old_event_delivered_again_is_dropped():
 def test_pair_an_eviction_stops_the_session_and_a_rejoin_gets_a_new_welcome():
     pair = Pair()
     pair.join(0.0)
-    pair.role.evict(["w0"])
+    pair.role.evict(["w0"], 0.5)
     lost = pair.deliver(pair.role.stop_for(SESSION, "evicted"), 1.0)
     assert isinstance(lost, Lost) and not pair.link.connected
     assert pair.join(2.0) == Offer(BUS, 0, 0), "the re-join's HELLO carries the session"

@@ -93,7 +93,7 @@ def test_handshakes_beyond_the_rate_are_busy_then_allowed_again():
 
 
 def test_refusals_that_cost_nothing_spend_no_handshake_token():
-    r = role(handshake_rate=2.0, max_workers=2)  # a burst of 4
+    r = role(handshake_rate=2.0, max_workers=2, max_workers_per_peer=2)  # a burst of 4
     join(r, "live", now=0.0)
     for _ in range(1000):  # a storm for a live worker's id
         with pytest.raises(ProtocolError, match="busy: worker id 'live' is in use"):
@@ -131,10 +131,12 @@ def test_a_process_re_joins_by_its_nonce_and_a_former_holder_is_told_taken():
     assert r.on_ack("w", again.session, 0, 1.0)
     for member in r.drop_silent(now=4.5):  # then paused: silent for six beats
         r.stop_for(member.session, "silent too long")
-    join(r, "w", now=4.5, nonce="b" * 32)  # another process takes the id
+    with pytest.raises(ProtocolError, match="busy: worker id 'w' is kept for the process"):
+        join(r, "w", now=4.5, nonce="b" * 32)  # kept for its process: 5 s at least
+    join(r, "w", now=9.6, nonce="b" * 32)  # then another process may take the id
     with pytest.raises(ProtocolError, match="taken: worker id 'w' belongs to another process"):
-        r.admit(hello("w", session=again.session, nonce="a" * 32), 5.0)
-    assert r.counters["refused_ids"] == 1
+        r.admit(hello("w", session=again.session, nonce="a" * 32), 10.0)
+    assert r.counters["refused_ids"] == 2
 
 
 def test_a_full_bus_refuses_new_ids_and_still_welcomes_known_ones():
@@ -162,11 +164,13 @@ def test_a_live_workers_id_is_refused_without_its_session():
     assert first.session in r.registry.displaced
 
 
-def test_a_silent_sessions_id_may_be_taken_by_anyone():
+def test_a_silent_sessions_id_may_be_taken_by_anyone_once_its_reserve_is_over():
     r = role()
     first, _ = join(r, "w", now=0.0)
     r.on_worker_message(Heartbeat(BUS, 0, "w", first.session, 0), 1.0)
-    second, replaced = join(r, "w", now=4.01)  # 6 beats of 0.5 s: silent
+    with pytest.raises(ProtocolError, match="busy: worker id 'w' is in use"):
+        join(r, "w", now=4.01)  # 6 beats of 0.5 s: silent, and kept for 5 s more
+    second, replaced = join(r, "w", now=9.01)
     assert replaced is not None and replaced.session == first.session
     assert r.registry.displaced == {}
 
@@ -283,5 +287,5 @@ def test_evictions_are_counted():
     r = role()
     join(r, "a")
     join(r, "b")
-    assert [m.worker_id for m in r.evict(["a", "zz"])] == ["a"]
+    assert [m.worker_id for m in r.evict(["a", "zz"], now=0.0)] == ["a"]
     assert r.counters["evictions"] == 1 and list(r.registry.members) == ["b"]

@@ -100,10 +100,10 @@ def test_evict_drops_known_workers_and_ignores_unknown_ones():
     reg = started()
     for w in ("a", "b", "c"):
         reg.join(hello(w), f"s-{w}", now=0.0)
-    gone = reg.evict(["a", "zzz", "c", "a"])
+    gone = reg.evict(["a", "zzz", "c", "a"], now=0.0)
     assert [m.worker_id for m in gone] == ["a", "c"]
     assert list(reg.members) == ["b"]
-    assert reg.evict([]) == []
+    assert reg.evict([], now=0.0) == []
 
 
 def test_a_reused_worker_id_replaces_the_old_process():
@@ -277,7 +277,7 @@ def test_alias_worker_that_left_or_was_evicted_releases_its_slot():
     reg.ack("a", "sa", 0, now=0.0)
     publish(reg)
     assert reg.free_slot() is None
-    reg.evict(["a"])
+    reg.evict(["a"], now=0.0)
     assert reg.free_slot() == 0
     assert reg.blockers() == []
 
@@ -419,7 +419,7 @@ def test_a_process_proves_itself_by_its_nonce_without_the_session():
 def test_a_former_holder_finds_its_id_taken_and_anyone_else_busy():
     reg = started()
     reg.join(hello("w0", pid=1, nonce=NA), "sa", now=0.0)
-    assert [m.worker_id for m in reg.evict(reg.silent(now=4.0, limit_s=3.0))] == ["w0"]
+    assert [m.worker_id for m in reg.evict(reg.silent(now=4.0, limit_s=3.0), now=4.0)] == ["w0"]
     reg.join(hello("w0", pid=2, nonce=NB), "sb", now=4.0)
     back = reg.claim(hello("w0", pid=1, nonce=NA), now=5.0, silent_after=3.0)
     assert back is not None and back.startswith(
@@ -449,7 +449,7 @@ def test_acks_count_for_the_process_a_publish_meant():
     meant = reg.meant(["w0", "nobody"])
     assert meant == (("w0", NA), ("nobody", ""))
     assert reg.missing(1, meant) == ["w0"]
-    reg.evict(["w0"])  # dropped as silent
+    reg.evict(["w0"], now=0.0)  # dropped as silent
     assert reg.missing(1, meant) == [], "gone: no longer owed"
     reg.join(hello("w0", nonce=NB), "sb", now=5.0)
     assert reg.ack("w0", "sb", 1, now=5.5)
@@ -513,3 +513,110 @@ def test_free_slot_is_the_oldest_slot_without_holders(
     order = sorted(range(len(slot_versions)), key=lambda s: slot_versions[s])
     expected = next((s for s in order if s != reg.home and not reg.holders(s)), None)
     assert reg.free_slot() == expected
+
+
+# --- fencing: an id kept for its process, first words, peers, what a deadline drops ------
+
+
+def reserving(alive=lambda peer: True, **kw) -> Registry:
+    reg = Registry(2, first_word_s=5.0, reserve_s=5.0, alive=alive, **kw)
+    reg.record(0, 0)
+    return reg
+
+
+def test_a_dropped_workers_id_is_kept_for_its_process_and_busy_for_anyone_else():
+    reg = reserving()
+    reg.join(hello("w0", pid=1, nonce=NA), "sa", now=0.0, peer="pid 1")
+    assert reg.ack("w0", "sa", 0, now=0.5)  # it spoke: an established worker
+    assert [m.worker_id for m in reg.evict(["w0"], now=1.6)] == ["w0"]  # a deadline missed
+    stranger = reg.claim(hello("w0", pid=2, nonce=NB), now=1.7, silent_after=3.0)
+    assert stranger is not None and stranger.startswith(
+        "busy: worker id 'w0' is kept for the process that held it (pid 1) for 4.9 s more"
+    )
+    assert reg.claim(hello("w0", pid=2), now=6.5, silent_after=3.0) == stranger.replace(
+        "4.9", "0.1"
+    ), "a HELLO without a nonce proves nothing either"
+    assert reg.claim(hello("w0", pid=1, nonce=NA), now=6.5, silent_after=3.0) is None
+    reg.join(hello("w0", pid=1, nonce=NA), "sa2", now=6.5, peer="pid 1")
+    assert reg.reserved == {}, "back: nothing kept any more"
+    # its reserve over, a stranger may have it
+    reg.evict(["w0"], now=10.0)
+    assert reg.claim(hello("w0", pid=2, nonce=NB), now=15.0, silent_after=3.0) is None
+    assert reg.reserved == {}
+
+
+def test_a_silent_worker_not_swept_yet_is_kept_for_its_reserve_too():
+    reg = reserving()
+    reg.join(hello("w0", nonce=NA), "sa", now=0.0)
+    assert reg.seen("w0", "sa", now=1.0)
+    assert reg.claim(hello("w0", nonce=NB), now=8.9, silent_after=3.0) is not None
+    assert reg.claim(hello("w0", nonce=NB), now=9.1, silent_after=3.0) is None
+
+
+def test_a_worker_that_left_or_never_spoke_keeps_nothing():
+    reg = reserving()
+    reg.join(hello("a", nonce=NA), "sa", now=0.0)
+    assert reg.ack("a", "sa", 0, now=0.5)
+    assert reg.leave("a", "sa") is not None  # BYE: free at once
+    assert reg.claim(hello("a", nonce=NB), now=0.6, silent_after=3.0) is None
+    reg.join(hello("b", nonce=NA), "sb", now=0.0)  # welcomed, then never a word
+    reg.evict(["b"], now=1.0)
+    assert reg.claim(hello("b", nonce=NB), now=1.1, silent_after=3.0) is None
+    assert reg.reserved == {}
+
+
+def test_a_replacement_of_a_process_that_never_spoke_waits_the_first_word_time_only():
+    # heartbeat 2 s: silence is 12 s, but the first word is due within 5 s
+    reg = reserving()
+    reg.join(hello("w0", nonce=NA), "sa", now=0.0)
+    assert reg.claim(hello("w0", nonce=NB), now=5.0, silent_after=12.0) is not None
+    assert reg.claim(hello("w0", nonce=NB), now=5.1, silent_after=12.0) is None
+    assert reg.silent(now=5.1, limit_s=12.0) == [], "the sweep still gives it the beats"
+
+
+def test_a_process_known_to_be_gone_leaves_its_id_free_at_once():
+    dead = {"pid 1"}
+    reg = reserving(alive=lambda peer: peer not in dead)
+    reg.join(hello("w0", pid=1, nonce=NA), "sa", now=0.0, peer="pid 1")
+    assert reg.ack("w0", "sa", 0, now=0.5)
+    assert reg.claim(hello("w0", nonce=NB), now=0.6, silent_after=3.0) is None
+    reg.join(hello("w1", pid=2, nonce=NB), "sb", now=0.0, peer="pid 2")
+    assert reg.ack("w1", "sb", 0, now=0.5)
+    dead.add("pid 2")
+    reg.evict(["w1"], now=1.0)
+    assert reg.reserved == {}
+
+
+def test_one_peer_holds_at_most_its_share_of_members():
+    reg = reserving(max_per_peer=2)
+    reg.join(hello("a"), "sa", now=0.0, peer="pid 1")
+    assert reg.room_for("pid 1")
+    reg.join(hello("b"), "sb", now=0.0, peer="pid 1")
+    assert not reg.room_for("pid 1") and reg.room_for("pid 2")
+    reg.leave("a", "sa")
+    assert reg.room_for("pid 1") and reg.per_peer == {"pid 1": 1}
+    reg.join(proving("b", "sb"), "sb2", now=0.1, peer="pid 1")  # a re-join counts once
+    assert reg.per_peer == {"pid 1": 1}
+    reg.evict(["b"], now=1.0)
+    assert reg.per_peer == {}
+
+
+def test_a_deadline_blames_only_the_holders_of_the_slot_it_can_have():
+    # an alias worker that acked the latest pins its slot; a member that never acks holds
+    # both: only it stands between the next version and a slot
+    reg = started()
+    reg.join(hello("honest", mode="alias"), "sh", now=0.0)
+    reg.join(hello("mute"), "sm", now=0.0)  # welcomed at v0, never acks
+    assert reg.ack("honest", "sh", 0, now=0.1)
+    publish(reg)  # v1 in slot 1
+    assert reg.ack("honest", "sh", 1, now=0.2)
+    assert reg.free_slot() is None
+    assert reg.blockers() == ["mute"]
+    # nobody pins: the slot the fewest hold, then the oldest
+    reg2 = started(3)
+    reg2.join(hello("a"), "sa", now=0.0)
+    reg2.join(hello("b"), "sb", now=0.0)
+    publish(reg2)
+    publish(reg2)
+    assert reg2.ack("a", "sa", 1, now=0.1)  # a still reads v2; b reads v0..v2
+    assert reg2.blockers() == ["b"]

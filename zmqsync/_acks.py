@@ -12,6 +12,7 @@ ack cost more than the rest of the round trip on 2 cores.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterable
 
 from ._deadline import Deadline
@@ -201,7 +202,7 @@ class AckWait:
                 acked=acked,
                 missing=missing,
             )
-        evicted = self._shared.role.evict(missing)
+        evicted = self._shared.role.evict(missing, time.monotonic())
         log.info(
             "evicted %d worker(s) at version %d: %s", len(evicted), version, ", ".join(missing)
         )

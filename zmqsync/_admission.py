@@ -31,17 +31,30 @@ guarantee below holds for the whole host, and a local process can spend the rate
 the local processes that are not workers (sniffers): use ipc://, or CURVE, where a
 process needs the keys to get this far.
 
-The guarantee: **a welcomed worker is never refused at its events or acks connect.** A
-peer from which a HELLO was welcomed is a *member* for `grace` seconds (the agent
-renews it while that worker is on the bus): its connections skip the rate limits, and
-past the descriptor budget it still gets `headroom` connections that nobody else can
-take (the budget keeps a reserve of descriptors for exactly such overshoots). The peer
-of a HELLO is the one libzmq saw on that control connection, not what the HELLO says.
+The guarantees:
+
+* **A welcomed worker is not refused at its events or acks connect.** A peer from which
+  a HELLO was welcomed is a *member* for `grace` seconds (the agent renews it while that
+  worker is on the bus): its connections are counted apart from everyone else's, at
+  MEMBER_FACTOR times one peer's rate (a worker connects once per handshake: honest
+  members never come near it), and past the descriptor budget it still gets `headroom`
+  connections that nobody else can take (the budget keeps a reserve of descriptors for
+  exactly such overshoots). A member is not exempt: a process that joined once as a
+  worker, and then storms, is held to the member rate like anyone to theirs. The peer of
+  a HELLO is the one libzmq saw on that control connection, not what the HELLO says.
+* **No group of peers locks a newcomer out.** Peers that are not members share a total
+  rate (TOTAL_FACTOR times one peer's), which bounds what cycling through many process
+  ids can buy. Many peers storming together spend that total as fast as it refills; a
+  peer that has been quiet (its own bucket full: it is new, or made no connection for
+  the last two seconds, as a sniffer or a worker's first connect) then still gets in
+  through a lane of its own, as large as the total again, which a storming peer (its
+  bucket never full) cannot use. Only a storm that starts new processes faster than
+  that lane refills spends it, one process per connection.
 
 Everything here is bounded: peers tracked (least recently seen forgotten first; a
-forgotten peer comes back with a full bucket, so a total rate for every peer that is not
-a member bounds what cycling through many process ids can buy), members, connections
-counted (by the descriptor budget itself).
+forgotten peer comes back with a full bucket, so the total and the quiet lane bound what
+cycling through many process ids can buy), members, connections counted (by the
+descriptor budget itself).
 """
 
 from __future__ import annotations
@@ -54,6 +67,8 @@ __all__ = ["Admission", "Budget", "Refusal", "Verdict", "peer_of"]
 
 MAX_PEERS = 4096  # peers (and member peers) remembered at once
 TOTAL_FACTOR = 4  # every non-member peer together: this many times one peer's rate
+QUIET_FACTOR = TOTAL_FACTOR  # the quiet peers' own lane, when the total is spent
+MEMBER_FACTOR = 4  # one member peer: this many times a non-member peer's rate
 UNKNOWN_PEER = "?"
 
 
@@ -75,6 +90,7 @@ class Verdict(enum.Enum):
     ALLOW = "allowed"
     PEER_RATE = "its peer connects faster than allowed"
     TOTAL_RATE = "peers that are not workers connect faster than allowed together"
+    MEMBER_RATE = "its peer, a worker's, connects faster than a worker's allowance"
 
     @property
     def allowed(self) -> bool:
@@ -99,9 +115,15 @@ class _Bucket:
     def take(self) -> None:
         self.tokens -= 1
 
+    @property
+    def full(self) -> bool:
+        """Whether it holds all but at most one token (read after `ready`): its peer
+        made no connection to speak of for a whole burst's worth of time."""
+        return self.tokens >= self.burst - 1
+
 
 class Admission:
-    """Connection rates per peer at the handshake, with members exempt (see module doc).
+    """Connection rates per peer at the handshake, members apart (see module doc).
 
     Args:
         rate: connections a second one peer may make (a burst of two seconds' worth).
@@ -117,33 +139,52 @@ class Admission:
             raise ValueError("rate and grace must be > 0 and max_peers >= 1")
         self.rate, self.grace, self.max_peers = rate, grace, max_peers
         self._peers: OrderedDict[str, _Bucket] = OrderedDict()  # least recently seen first
-        self._members: OrderedDict[str, float] = OrderedDict()  # peer -> member until
-        total = TOTAL_FACTOR * rate
-        self._total = _Bucket(total, 2 * total, now)
-        self.refused: dict[Verdict, int] = {Verdict.PEER_RATE: 0, Verdict.TOTAL_RATE: 0}
+        # member peer -> (member until, its own bucket at MEMBER_FACTOR * rate)
+        self._members: OrderedDict[str, tuple[float, _Bucket]] = OrderedDict()
+        self._total = _Bucket(TOTAL_FACTOR * rate, 2 * TOTAL_FACTOR * rate, now)
+        self._quiet = _Bucket(QUIET_FACTOR * rate, 2 * QUIET_FACTOR * rate, now)
+        self.refused: dict[Verdict, int] = {v: 0 for v in Verdict if v is not Verdict.ALLOW}
 
     def welcome(self, peer: str, now: float) -> None:
         """A worker from `peer` was welcomed, or is still on the bus: a member until
         `now + grace`."""
         if peer == UNKNOWN_PEER:
             return
-        self._members[peer] = now + self.grace
-        self._members.move_to_end(peer)
+        kept = self._members.pop(peer, None)
+        if kept is None:
+            member_rate = MEMBER_FACTOR * self.rate
+            bucket = _Bucket(member_rate, 2 * member_rate, now)
+        else:
+            bucket = kept[1]
+        self._members[peer] = (now + self.grace, bucket)
         while len(self._members) > self.max_peers:
             self._members.popitem(last=False)
 
     def is_member(self, peer: str, now: float) -> bool:
-        until = self._members.get(peer)
-        if until is None:
-            return False
-        if now > until:
+        return self._membership(peer, now) is not None
+
+    def _membership(self, peer: str, now: float) -> _Bucket | None:
+        kept = self._members.get(peer)
+        if kept is None:
+            return None
+        if now > kept[0]:
             del self._members[peer]
-            return False
-        return True
+            return None
+        return kept[1]
 
     def admit(self, peer: str, now: float) -> Verdict:
         """May one more connection from `peer` (whose handshake is done) stay?"""
-        if self.is_member(peer, now):
+        verdict = self._verdict(peer, now)
+        if verdict is not Verdict.ALLOW:
+            self.refused[verdict] += 1
+        return verdict
+
+    def _verdict(self, peer: str, now: float) -> Verdict:
+        member = self._membership(peer, now)
+        if member is not None:
+            if not member.ready(now):
+                return Verdict.MEMBER_RATE
+            member.take()
             return Verdict.ALLOW
         bucket = self._peers.get(peer)
         if bucket is None:
@@ -153,15 +194,15 @@ class Admission:
         else:
             self._peers.move_to_end(peer)
         if not bucket.ready(now):
-            verdict = Verdict.PEER_RATE
-        elif not self._total.ready(now):
-            verdict = Verdict.TOTAL_RATE
-        else:
-            bucket.take()
+            return Verdict.PEER_RATE
+        if self._total.ready(now):
             self._total.take()
-            return Verdict.ALLOW
-        self.refused[verdict] += 1
-        return verdict
+        elif bucket.full and self._quiet.ready(now):
+            self._quiet.take()  # the total is spent by others: a quiet peer's own lane
+        else:
+            return Verdict.TOTAL_RATE
+        bucket.take()
+        return Verdict.ALLOW
 
     @property
     def peers(self) -> int:

@@ -73,6 +73,10 @@ FIRST_WORD_S = 5.0
 FIRST_WORD_PER_TENSOR_S = 0.0002
 # A re-join's first deadline at least (then doubled while they fail; see Link).
 REJOIN_MIN_S = 2.0
+# A dropped worker's id is kept for its process this long at least (and as long as the
+# silence limit, LOST_AFTER_BEATS heartbeats): a re-join after an eviction or a pause
+# takes a few hundred ms, and seconds on a saturated host (see `_registry`).
+RESERVE_MIN_S = 5.0
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # the largest message of all: a WELCOME or a STATE
 SERVICE_S = 0.01  # how often the publisher's agent drains acks nobody is waiting for
 

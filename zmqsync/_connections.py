@@ -40,6 +40,7 @@ __all__ = [
     "Gate",
     "connection_budget",
     "open_descriptors",
+    "peer_alive",
     "raise_fd_limit",
 ]
 
@@ -112,6 +113,26 @@ def open_descriptors() -> int:
         return len(os.listdir("/proc/self/fd"))
     except OSError:
         return FD_RESERVE_MIN
+
+
+def peer_alive(peer: str) -> bool:
+    """Whether the process behind `peer` (see `_admission.peer_of`) may still run: False
+    only for an ipc:// peer of this pid namespace whose process has exited (a zombie
+    included). A host, pid 0 (another pid namespace) or an unknown peer may be alive.
+
+    It lets a worker's replacement in at once (a restarted worker keeping its id) instead
+    of after the id's reserve; read only when a worker is dropped or its id claimed.
+    """
+    if not peer.startswith("pid ") or not peer[4:].isdigit() or int(peer[4:]) <= 0:
+        return True
+    try:
+        with open(f"/proc/{int(peer[4:])}/stat", "rb") as stat:
+            state = stat.read().rpartition(b")")[2].split()[:1]
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True
+    return state not in ([b"Z"], [b"X"])
 
 
 class Gate:

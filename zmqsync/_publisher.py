@@ -47,7 +47,7 @@ from ._acks import AckWait
 from ._announcer import Announcer
 from ._buffers import CpuSegment, CudaBuffer, collect_garbage, segment_name
 from ._config import DEFAULT
-from ._connections import connection_budget, open_descriptors, raise_fd_limit
+from ._connections import connection_budget, open_descriptors, peer_alive, raise_fd_limit
 from ._deadline import Deadline
 from ._errors import ClosedError, ZmqSyncError
 from ._layout import Key
@@ -260,8 +260,10 @@ class Publisher:
             slot_bytes=self._layout.slot_bytes,
             manifest=self._layout.specs,
             max_workers=security.max_workers,
+            max_workers_per_peer=security.max_workers_per_peer,
             handshake_rate=security.handshake_rate,
             now=time.monotonic(),
+            alive=peer_alive,
         )
         server = curve if isinstance(curve, CurveServer) else None
         self._shared = Shared(self._role, curve=server, gid=self._gid, tap=tap)
@@ -523,16 +525,26 @@ class Publisher:
         return max_lag
 
     def wait_for_workers(self, n: int, timeout: float | None = DEFAULT) -> bool:
-        """Block until `n` workers are on the bus; False if the deadline passed first."""
+        """Block until `n` workers are on the bus and have applied a version; False if
+        the deadline passed first.
+
+        A worker counts once it acked a version (`WorkerInfo.version` >= 0): one welcomed
+        but unable to apply (its model has another layout, it raised `LayoutMismatch`)
+        never counts, and the publisher logs a warning when it leaves.
+        """
         acks = self._usable()
         deadline = Deadline(self._timeout if timeout is DEFAULT else timeout)
         with self._shared.cond:
-            while len(self._registry.members) < n:
+            while self._applied_workers() < n:
                 acks.check()
                 if deadline.expired():
                     return False
                 self._shared.cond.wait(deadline.wait_s(0.5))
         return True
+
+    def _applied_workers(self) -> int:
+        """Members that acked a version (caller holds `_shared.cond`)."""
+        return sum(m.acked >= 0 for m in self._registry.members.values())
 
     def _usable(self) -> AckWait:
         """The started publisher's waits; raises what the user should hear otherwise."""

@@ -565,6 +565,7 @@ class Agent:
         except zmq.Again:
             return
         reply: Message
+        msg: Message | None = None
         peer = ""
         try:
             if len(frames) != 1:
@@ -581,7 +582,11 @@ class Agent:
                 raise ProtocolError(f"{msg.TYPE} is not a request")
         except ProtocolError as exc:
             self._count("rejected")
-            log.debug("rejected request: %s", printable(exc))
+            if isinstance(msg, Hello):  # "busy:" is retried by the worker; the rest is final
+                level = logging.INFO if str(exc).startswith("busy:") else logging.WARNING
+                log.log(level, "worker %s refused: %s", printable(peer), printable(exc))
+            else:
+                log.debug("rejected request: %s", printable(exc))
             if not peer:
                 self._mirror("in", "", frames[0][:4096] if frames else b"")
             reply = Error(self.role.bus_id, str(exc)[:1024])
@@ -609,11 +614,12 @@ class Agent:
         are never refused."""
         shared, role = self.shared, self.role
         with shared.cond:
-            hello = role.admit(hello, time.monotonic(), connections_full=self.gate.full(2))
+            full = self.gate.full(2)
+            hello = role.admit(hello, time.monotonic(), peer=peer, connections_full=full)
         copy = role.cuda and hello.transport == "cpu"
         with shared.write_lock if copy else contextlib.nullcontext():
             with shared.cond:
-                welcome, old = role.welcome(hello, time.monotonic())
+                welcome, old = role.welcome(hello, time.monotonic(), peer)
                 shared.cond.notify_all()
             if copy and shared.fill_mirror is not None:
                 shared.fill_mirror(welcome.slot)
@@ -721,9 +727,15 @@ class Agent:
     def _on_worker_message(self, msg: Message, now: float) -> bool:
         """Apply one worker message (caller holds `cond`); True if waiters should look.
         A STOP for a dropped session still beating is sent by `_send_stops`, after."""
+        leaving = None
+        if isinstance(msg, Bye):
+            leaving = self.role.registry.find(msg.worker_id, msg.session)
         changed = self.role.on_worker_message(msg, now)
-        if changed and isinstance(msg, Bye):
-            log.info("worker %s left", msg.worker_id)
+        if changed and leaving is not None:
+            if leaving.acked < 0:  # a model of another layout, or it failed otherwise
+                log.warning("worker %s left without applying a version", leaving.worker_id)
+            else:
+                log.info("worker %s left", leaving.worker_id)
         elif isinstance(msg, Heartbeat) and msg.worker_id:
             stop = self.role.gone(msg.worker_id, msg.session, now)
             if stop is not None:
@@ -751,7 +763,10 @@ class Agent:
         for peer in set(self._member_peers.values()):  # members while on the bus
             self.gate.welcomed(peer)
         for member in lost:
-            log.info("worker %s silent for %.1f s: dropped", member.worker_id, role.silent_after)
+            level = logging.INFO if member.acked >= 0 else logging.WARNING
+            never = "" if member.acked >= 0 else " before applying any version"
+            log.log(level, "worker %s silent for %.1f s%s: dropped", member.worker_id,
+                    role.silent_after, never)  # fmt: skip
             self.send_event(role.stop_for(member.session, "silent too long"), member.worker_id)
 
     def _drain_subscriptions(self, sock: zmq.Socket[bytes], endpoint: str) -> None:

@@ -4,11 +4,12 @@ Like h11's `Connection`, `PublisherRole` knows every rule and touches no socket,
 clock: the agent thread decodes what arrives, hands it over with `now`, and sends what
 comes back. The rules, in the order a worker meets them:
 
-* **Admission** (`admit`): no HELLO while closing; a worker id whose session is alive
-  gets ``busy:`` unless the HELLO proves it is that session's process, or ``taken:`` if
-  it comes from a process that held the id before (see `Registry.claim`); a new worker
-  id beyond `max_workers`, or beyond what the connection budget allows, gets ``bus
-  full``. Only then is a handshake token spent: beyond `handshake_rate` per second the
+* **Admission** (`admit`): no HELLO while closing; a worker id whose session is alive,
+  or that is still kept for the process it was dropped from (`reserve_s`), gets
+  ``busy:`` unless the HELLO proves it is that process, or ``taken:`` if it comes from a
+  process that held the id before (see `Registry.claim`); a new worker id beyond
+  `max_workers`, beyond `max_workers_per_peer` from one peer, or beyond what the
+  connection budget allows, gets ``bus full``. Only then is a handshake token spent: beyond `handshake_rate` per second the
   HELLO gets ``busy:`` (retried by real subscribers) and its id a place in line (see
   `HandshakeQueue`). Refusals that cost nothing more than their answer come first, so
   a flood of them never spends the budget honest workers need.
@@ -37,7 +38,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 
 from ._buffers.transport import registered
-from ._config import FIRST_WORD_PER_TENSOR_S, FIRST_WORD_S, LOST_AFTER_BEATS
+from ._config import FIRST_WORD_PER_TENSOR_S, FIRST_WORD_S, LOST_AFTER_BEATS, RESERVE_MIN_S
 from ._errors import ProtocolError
 from ._handshake_queue import HandshakeQueue
 from ._histogram import BLOCKED_IN_PUBLISH, BLOCKED_IN_STEP, PUBLISH, record
@@ -56,7 +57,13 @@ from ._protocol import (
 )
 from ._registry import Member, Registry
 
-__all__ = ["Endpoints", "PublisherRole"]
+__all__ = ["Endpoints", "PublisherRole", "per_peer_default"]
+
+
+def per_peer_default(max_workers: int) -> int:
+    """Members one peer may hold unless told otherwise: three quarters of the seats, so
+    that one process (or one host over tcp) cycling worker ids cannot fill the bus."""
+    return max(1, 3 * max_workers // 4)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,16 +89,25 @@ class PublisherRole:
         slot_bytes: int,
         manifest: tuple[TensorSpec, ...],
         max_workers: int = 1024,
+        max_workers_per_peer: int | None = None,
         handshake_rate: float = 200.0,
         now: float = 0.0,
         new_session: Callable[[], str] = lambda: secrets.token_hex(8),
+        alive: Callable[[str], bool] = lambda peer: True,
     ) -> None:
         self.name, self.bus_id, self.slots = name, bus_id, slots
         self.heartbeat = heartbeat
         self.slot_bytes, self.manifest = slot_bytes, manifest
         self.max_workers, self.handshake_rate = max_workers, handshake_rate
+        self.max_workers_per_peer = max_workers_per_peer or per_peer_default(max_workers)
         first_word_s = FIRST_WORD_S + FIRST_WORD_PER_TENSOR_S * len(manifest)
-        self.registry = Registry(slots, first_word_s=first_word_s)
+        self.registry = Registry(
+            slots,
+            first_word_s=first_word_s,
+            reserve_s=max(RESERVE_MIN_S, self.silent_after),
+            max_per_peer=self.max_workers_per_peer,
+            alive=alive,
+        )
         self.counters: Counter[str] = Counter()
         self.seq = 0  # of the last event sent (RECEIVE or STOP)
         self.endpoints = Endpoints("", "", "", ())
@@ -115,11 +131,14 @@ class PublisherRole:
 
     # --- handshakes ---------------------------------------------------------------
 
-    def admit(self, hello: Hello, now: float, *, connections_full: bool = False) -> Hello:
+    def admit(
+        self, hello: Hello, now: float, *, peer: str = "", connections_full: bool = False
+    ) -> Hello:
         """`hello` as it will be registered (its transport as the bus offers it), or
         ProtocolError with the reason the ERROR reply gives.
 
         Args:
+            peer: the connection's peer as libzmq saw it (see `_admission.peer_of`).
             connections_full: the connection budget has no room for a new worker's two
                 connections (see `Gate`).
         """
@@ -131,6 +150,12 @@ class PublisherRole:
         known = hello.worker_id in self.registry.members
         if not known and len(self.registry.members) >= self.max_workers:
             raise ProtocolError(f"bus full: {self.max_workers} workers (max_workers)")
+        if not known and not self.registry.room_for(peer):
+            self.counters["refused_full_peer"] += 1
+            raise ProtocolError(
+                f"bus full: {peer} holds {self.max_workers_per_peer} workers, as many as one "
+                "peer may (max_workers_per_peer); the other seats are kept for other peers"
+            )
         if not known and connections_full:
             raise ProtocolError(
                 "bus full: no room for more connections under the publisher's file "
@@ -142,9 +167,9 @@ class PublisherRole:
         transport, note = registered(hello.transport, hello.transport_note, self.cuda)
         return dataclasses.replace(hello, transport=transport, transport_note=note)
 
-    def welcome(self, hello: Hello, now: float) -> tuple[Welcome, Member | None]:
-        """Register the worker `hello` (from `admit`) names; its WELCOME, and the member
-        it replaced (tell that session with `stop_for(old.session, "replaced")`).
+    def welcome(self, hello: Hello, now: float, peer: str = "") -> tuple[Welcome, Member | None]:
+        """Register the worker `hello` (from `admit`) names, from `peer`; its WELCOME, and
+        the member it replaced (tell that session with `stop_for(old.session, "replaced")`).
 
         Raises:
             ProtocolError: the worker id belongs to a live session of another process
@@ -155,7 +180,7 @@ class PublisherRole:
             raise ProtocolError(refusal)
         session = self._new_session()
         old = self.registry.members.get(hello.worker_id)
-        self.registry.join(hello, session, now)
+        self.registry.join(hello, session, now, peer)
         self._remember_note(hello.worker_id, session, hello.transport_note)
         self.counters["handshakes"] += 1
         version = self.registry.latest
@@ -280,7 +305,7 @@ class PublisherRole:
             self._sweeps_put_off += 1
             return []
         self._sweeps_put_off = 0
-        lost = self.registry.evict(self.registry.silent(now, self.silent_after))
+        lost = self.registry.evict(self.registry.silent(now, self.silent_after), now)
         self.counters["lost"] += len(lost)
         return lost
 
@@ -303,9 +328,9 @@ class PublisherRole:
         the training thread writes these keys)."""
         self.counters[BLOCKED_IN_STEP if in_step else BLOCKED_IN_PUBLISH] += int(seconds * 1e6)
 
-    def evict(self, worker_ids: Iterable[str]) -> list[Member]:
-        """Drop workers a publish gave up on (on_timeout="evict")."""
-        evicted = self.registry.evict(worker_ids)
+    def evict(self, worker_ids: Iterable[str], now: float) -> list[Member]:
+        """Drop workers a publish gave up on (on_timeout="evict") at `now`."""
+        evicted = self.registry.evict(worker_ids, now)
         self.counters["evictions"] += len(evicted)
         return evicted
 

@@ -18,6 +18,21 @@ refused because of a session it registered itself but never learnt of (a WELCOME
 on the way). A process that held the id earlier (its nonce is among those that left it)
 and finds another process holding it now is told so: ``taken:``, final.
 
+**An id stays with its process for a while after it is dropped.** A worker evicted by a
+deadline, or dropped after a pause just past liveness, is usually alive and about to
+re-join; worker ids are public (INSPECT lists them), so a peer that HELLOs for a live
+worker's id would otherwise win it the moment its holder is dropped, and the holder's
+re-join would be told ``taken:``. A worker that spoke at least once is therefore
+*reserved* for `reserve_s` after it is dropped (or, not yet swept, after it went
+silent): only its own process (nonce or session) may claim the id meanwhile; every
+other claimant is told ``busy:``, which real subscribers retry. Where the publisher can
+see that the process is gone (`alive`: an ipc peer in its pid namespace), nothing is
+reserved and a replacement gets in at once; a process that never spoke after its WELCOME
+(a container restarted mid-handshake) holds its id for the first-word time only.
+
+**No peer fills the bus.** A peer (what libzmq tells apart: a process on ipc://, a host
+on tcp://) holds at most `max_per_peer` members; the seats past it are kept for others.
+
 The session a re-join of the same process replaces is *displaced*: it is no longer a
 member (no acks expected, told STOP), but the slot it may still compute with stays
 protected until the new session acks (the process has moved on) or it goes silent.
@@ -28,7 +43,8 @@ Acks are counted per process: a publish remembers which process each target was
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections import Counter
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from ._protocol import Hello
@@ -88,6 +104,7 @@ class Member:
     last_seen: float = 0.0  # monotonic
     process: str = ""  # the HELLO's nonce, else the session: which process this is
     heard: bool = False  # a message came from this session since its WELCOME
+    peer: str = ""  # the connection's peer as libzmq saw it (see `_admission.peer_of`)
 
     @property
     def applied(self) -> int:
@@ -105,15 +122,40 @@ class Member:
         return self.mode == "alias" and version == self.acked >= 0
 
 
-class Registry:
-    """Members, slot contents and the slot-choice rule."""
+def _always(peer: str) -> bool:
+    return True
 
-    def __init__(self, slots: int, first_word_s: float = 0.0) -> None:
-        # A member not heard from since its WELCOME counts as silent only after this
-        # long at least: its handshake (decoding the WELCOME, mapping, subscribing) may
-        # take longer than a few short beats on a loaded host.
-        self.first_word_s = first_word_s
+
+class Registry:
+    """Members, slot contents and the slot-choice rule.
+
+    Args:
+        slots: slots in the buffer.
+        first_word_s: a member not heard from since its WELCOME is dropped as silent only
+            after this long at least (its handshake may take longer than a few short
+            beats on a loaded host), and another process may claim its id after this
+            long (0: the silence limit, as for any member).
+        reserve_s: how long a dropped worker's id stays reserved for its process.
+        max_per_peer: members one peer may hold (None: no limit).
+        alive: whether the process behind a peer may still be running (False only when
+            that is known: it lets a replacement in without waiting).
+    """
+
+    def __init__(
+        self,
+        slots: int,
+        first_word_s: float = 0.0,
+        *,
+        reserve_s: float = 0.0,
+        max_per_peer: int | None = None,
+        alive: Callable[[str], bool] = _always,
+    ) -> None:
+        self.first_word_s, self.reserve_s = first_word_s, reserve_s
+        self.max_per_peer, self._alive = max_per_peer, alive
         self.members: dict[str, Member] = {}
+        self.per_peer: Counter[str] = Counter()  # peer -> members it holds
+        # worker id -> (the member dropped, until when only its process may claim the id)
+        self.reserved: dict[str, tuple[Member, float]] = {}
         self.displaced: dict[str, Member] = {}  # session -> replaced member (see above)
         self.slot_versions = [-1] * slots
         self.latest = -1
@@ -130,29 +172,55 @@ class Registry:
     def claim(self, hello: Hello, now: float, silent_after: float) -> str | None:
         """Why `hello` may not take its worker id now (the ERROR reason), or None if it may.
 
-        It may when the id is free, when the HELLO proves it comes from the process
-        holding the id (its nonce, or the live session), or when the live session has
-        been silent for longer than `silent_after` (its process is gone; the sweep just
-        has not run yet). Otherwise ``busy:`` (the holder may still go silent: retried),
-        or ``taken:`` for a process that held the id before (final: another process
-        took it while this one was silent, and is alive).
+        It may when the id is free and reserved for no other process, when the HELLO
+        proves it comes from the process holding (or reserved) the id (its nonce, or the
+        session), or when the holder is gone: known dead, silent past its reserve, or
+        never heard from for `first_word_s`. Otherwise ``busy:`` (retried by real
+        subscribers: the holder may still go), or ``taken:`` for a process that held the
+        id before and finds another holding it now (final).
         """
         old = self.members.get(hello.worker_id)
-        if old is None or _same_process(hello, old) or self._silent(old, now, silent_after):
+        if old is None:
+            kept = self.reserved.get(hello.worker_id)
+            if kept is None or _same_process(hello, kept[0]):
+                return None
+            if now >= kept[1]:
+                del self.reserved[hello.worker_id]
+                return None
+            return (
+                f"busy: worker id {hello.worker_id!r} is kept for the process that held it "
+                f"(pid {kept[0].pid}) for {kept[1] - now:.1f} s more, in case it re-joins; "
+                "give each worker its own worker_id (the default is unique)"
+            )
+        if _same_process(hello, old) or self._gone(old, now, silent_after):
             return None
         if hello.nonce and hello.nonce in self.departed.get(hello.worker_id, ()):
             return (
                 f"taken: worker id {hello.worker_id!r} belongs to another process now (pid "
-                f"{old.pid}), which took it while this one was silent; this worker's acks "
-                "no longer count: restart it (under a worker_id of its own)"
+                f"{old.pid}), which took it after this one was silent for longer than its "
+                "id was kept; this worker's acks no longer count: restart it (under a "
+                "worker_id of its own)"
             )
         return (
             f"busy: worker id {hello.worker_id!r} is in use by a live worker (pid {old.pid}); "
             "give each worker its own worker_id (the default is unique)"
         )
 
-    def join(self, hello: Hello, session: str, now: float) -> Member:
-        """Register a worker welcomed at `latest`, replacing any member of its id.
+    def _gone(self, member: Member, now: float, silent_after: float) -> bool:
+        """Whether another process may take `member`'s id now (see `claim`)."""
+        if not self._alive(member.peer):
+            return True
+        if not member.heard:
+            return now - member.last_seen > (self.first_word_s or silent_after)
+        return now - member.last_seen > silent_after + self.reserve_s
+
+    def room_for(self, peer: str) -> bool:
+        """Whether `peer` may hold one more member (see `max_per_peer`)."""
+        return self.max_per_peer is None or self.per_peer[peer] < self.max_per_peer
+
+    def join(self, hello: Hello, session: str, now: float, peer: str = "") -> Member:
+        """Register a worker welcomed at `latest` from `peer`, replacing any member of its
+        id.
 
         Call `claim` first. A replaced member that proved to be this same process is kept
         as displaced (its slot stays protected); one that went silent is simply gone.
@@ -167,13 +235,16 @@ class Registry:
             floor=self.latest,
             last_seen=now,
             process=hello.nonce or session,
+            peer=peer,
         )
         old = self.members.get(hello.worker_id)
         if old is not None:
             self._remember(old)
             if _same_process(hello, old):
                 self.displaced[old.session] = old
+        self.reserved.pop(hello.worker_id, None)
         self.members[hello.worker_id] = member
+        self.per_peer[peer] += 1
         return member
 
     def meant(self, worker_ids: Iterable[str]) -> tuple[Meant, ...]:
@@ -206,18 +277,28 @@ class Registry:
         return member is not None
 
     def leave(self, worker_id: str, session: str) -> Member | None:
+        """A worker said BYE: gone, its id free for anyone at once."""
         member = self.find(worker_id, session)
         if member is not None:
             self._remember(self.members.pop(worker_id))
         return member
 
-    def evict(self, worker_ids: Iterable[str]) -> list[Member]:
+    def evict(self, worker_ids: Iterable[str], now: float) -> list[Member]:
+        """Drop workers (a deadline gave up on them, or they went silent); the id of each
+        that spoke and may be alive is reserved for its process until `now + reserve_s`."""
         gone = [m for w in worker_ids if (m := self.members.pop(w, None)) is not None]
         for member in gone:
             self._remember(member)
+            if self.reserve_s > 0 and member.heard and self._alive(member.peer):
+                if len(self.reserved) >= _DEPARTED_IDS:
+                    self.reserved.pop(next(iter(self.reserved)))
+                self.reserved[member.worker_id] = (member, now + self.reserve_s)
         return gone
 
     def _remember(self, member: Member) -> None:
+        self.per_peer[member.peer] -= 1
+        if self.per_peer[member.peer] <= 0:
+            del self.per_peer[member.peer]
         gone = self.gone_sessions
         if len(gone) >= _DEPARTED_IDS:
             gone.pop(next(iter(gone)))
@@ -279,13 +360,16 @@ class Registry:
 
     def holders(self, slot: int) -> list[str]:
         """Workers (members and displaced sessions) that stop `slot` from being written."""
+        return [m.worker_id for m in self._holding(slot)]
+
+    def _holding(self, slot: int) -> list[Member]:
         version = self.slot_versions[slot]
         if version < 0:
             return []
         single = len(self.slot_versions) == 1
         holders = [*self.members.values(), *self.displaced.values()]
         return [
-            m.worker_id
+            m
             for m in holders
             if m.busy_with(version, self.latest)
             and not (single and m.mode == "alias" and m.acked == version)
@@ -317,8 +401,21 @@ class Registry:
         return None
 
     def blockers(self) -> list[str]:
-        """Workers holding slots when none is free (the ones to blame or evict)."""
-        return sorted({w for s in range(len(self.slot_versions)) for w in self.holders(s)})
+        """Workers to blame or evict when no slot is free: the holders of the one slot
+        that the fewest workers pin, so that a deadline drops only what blocks the next
+        write. A slot is chosen by, in order: how many holders compute with its version
+        (alias workers that acked it: the workers that did their part), how many hold it
+        at all, and its version (oldest first)."""
+        versions = self.slot_versions
+        held = {s: self._holding(s) for s in range(len(versions)) if s != self.home}
+        if not held:
+            return []
+
+        def cost(slot: int) -> tuple[int, int, int]:
+            pinning = sum(1 for m in held[slot] if m.acked == versions[slot])
+            return pinning, len(held[slot]), versions[slot]
+
+        return sorted({m.worker_id for m in held[min(held, key=cost)]})
 
     def missing(self, version: int, targets: Iterable[Meant]) -> list[str]:
         """Targets whose meant process is still on the bus and has not acknowledged

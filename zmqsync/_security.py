@@ -231,6 +231,11 @@ class Security:
         tap: open the tap socket that mirrors every message for `zmqsync sniff`
             (sessions and nonces hashed); None: on when ZMQSYNC_TAP is "1".
         max_workers: HELLOs from new worker ids past this many are refused ("bus full").
+        max_workers_per_peer: workers one peer (a process on ipc://, a host on tcp://)
+            may hold; past it its new worker ids are refused ("bus full"), so that one
+            peer cycling ids cannot fill the bus. None: three quarters of max_workers.
+            Raise it to max_workers when one peer holds most workers by design (every
+            worker over loopback tcp, or in containers of another pid namespace).
         handshake_rate: HELLOs, and new connections to the events and tap sockets, per
             second *per peer* (a storm is refused and counted; welcomed workers are
             exempt).
@@ -242,9 +247,13 @@ class Security:
     tap: bool | None = None
     max_workers: int = 1024
     handshake_rate: float = 200.0
+    max_workers_per_peer: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_workers < 1 or self.handshake_rate <= 0:
             raise ValueError("max_workers must be >= 1 and handshake_rate > 0")
+        per_peer = self.max_workers_per_peer
+        if per_peer is not None and not 1 <= per_peer <= self.max_workers:
+            raise ValueError("max_workers_per_peer must be between 1 and max_workers")
         if self.curve is False:
             object.__setattr__(self, "curve", None)

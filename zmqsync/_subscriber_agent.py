@@ -61,6 +61,7 @@ __all__ = ["SUBSCRIBE_TURN_S", "Agent", "Port", "Waiters"]
 log = logging.getLogger(__name__)
 _WAKE = b"\x01"  # from the subscriber's own inproc PUB: look at the flags (never a message)
 _WAIT_CAP_S = 0.1
+_RETRIED = ("busy:", "bus full")  # refusals a handshake retries within its deadline
 # The first turn of the wait for a subscription's confirmation (then a new connection).
 SUBSCRIBE_TURN_S = 1.0
 NEVER = 1 << 63  # above any version: nobody waits for one
@@ -275,7 +276,8 @@ class Agent:
             self._applied(applied)
 
     def _request_welcome(self, hello: Hello, deadline: Deadline, attempts: int) -> Welcome:
-        """HELLO -> WELCOME (Lazy Pirate), retried while the publisher says it is busy."""
+        """HELLO -> WELCOME (Lazy Pirate), retried while the publisher says it is busy or
+        full (both pass: a storm ends, a silent holder is dropped, members leave)."""
         address = self.port.address
         while True:
             reply = request(
@@ -287,11 +289,11 @@ class Agent:
                 secure=self.port.secure,
                 cancelled=self._cancelled,
             )
-            if not (isinstance(reply, Error) and reply.reason.startswith("busy:")):
+            if not (isinstance(reply, Error) and reply.reason.startswith(_RETRIED)):
                 break
-            # Busy (a HELLO storm, or our worker id still held by a session that has not
-            # gone silent yet): retry while a retry can still get an answer in time, then
-            # report the refusal rather than a timeout.
+            # Busy (a HELLO storm, or our worker id still held or kept for a process that
+            # may come back) or full: retry while a retry can still get an answer in time,
+            # then report the refusal rather than a timeout.
             left = deadline.remaining()
             if (left is not None and left < 0.25) or self._terminating:
                 break

@@ -15,17 +15,23 @@ in prometheus-client's sense: they read, at each scrape, what a `Publisher` or
 `Subscriber` counts anyway (its version, workers and counters), so a publish or an apply
 does no work for them. `StateCollector` reads the same from another process, over the
 control socket's INSPECT, which is what ``zmqsync metrics`` serves; a bus that does not
-answer is ``zmqsync_up 0``. docs/metrics.md lists every metric.
+answer is ``zmqsync_up 0``, and scrapes closer together than its ``min_interval`` share
+one INSPECT. `serve` starts prometheus-client's HTTP server, with TLS and client
+certificates when given a `ServerTLS`. docs/metrics.md lists every metric.
 
 This module imports prometheus_client; ``import zmqsync`` never imports this module.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
+import ssl
+import sys
 import threading
+import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -47,7 +53,14 @@ from ._histogram import APPLY, BLOCKED_IN_PUBLISH, BLOCKED_IN_STEP, PUBLISH, Key
 from ._registry import lag
 from ._text import printable
 
-__all__ = ["PublisherCollector", "RelayCollector", "StateCollector", "SubscriberCollector"]
+__all__ = [
+    "PublisherCollector",
+    "RelayCollector",
+    "ServerTLS",
+    "StateCollector",
+    "SubscriberCollector",
+    "serve",
+]
 
 log = logging.getLogger(__name__)
 
@@ -277,49 +290,83 @@ class StateCollector(Collector):
     container too), asks the control socket as ``zmqsync inspect`` does, and reports
     ``zmqsync_up 0`` while nobody answers there.
 
+    Whoever reaches the exporter decides how often it scrapes, and every INSPECT is work
+    for the publisher's agent thread (the one that also welcomes workers). So the
+    publisher is asked at most once per `min_interval`: a scrape sooner than that after
+    the last answer (or the last silence) is served that answer, its workers' last-seen
+    times aged by the time since. Scrapes are also taken one at a time, so a burst of
+    them never puts more than one INSPECT in flight.
+
     Args:
         address: the bus's control address.
         bus: the label to use (the bus's name).
         timeout: seconds one scrape waits for the publisher's answer.
         name: the bus name, to find CURVE keys a ``curve=True`` publisher wrote.
+        min_interval: seconds an answer (or a silence) is reused for; 0 asks at every
+            scrape.
     """
 
     def __init__(
-        self, address: str, bus: str, *, timeout: float = 1.0, name: str | None = None
+        self,
+        address: str,
+        bus: str,
+        *,
+        timeout: float = 1.0,
+        name: str | None = None,
+        min_interval: float = 1.0,
     ) -> None:
         import zmq
 
         from ._security import client_from_env
 
+        if min_interval < 0:
+            raise ValueError(f"min_interval must be 0 or more seconds, not {min_interval}")
         self.address, self.bus, self.timeout = address, bus, timeout
+        self.min_interval = min_interval
         curve = client_from_env(name)
         self._secure = curve.apply if curve is not None else None
         self._ctx: Any = zmq.Context()
         self._closed = threading.Event()
         # one scrape at a time: close() waits for it before the context goes
         self._asking = threading.Lock()
-        self.scrapes = 0
-        self.failures = 0
+        # (time.monotonic() of the last answer or silence, the sample or None)
+        self._last: tuple[float, BusSample | None] | None = None
+        self.scrapes = 0  # samples served
+        self.inspects = 0  # INSPECTs sent to the publisher
+        self.failures = 0  # INSPECTs without a STATE in answer
 
     def sample(self) -> BusSample | None:
-        """The bus now, or None if its publisher did not answer within `timeout`."""
-        from ._deadline import Deadline
-        from ._errors import ZmqSyncError
-        from ._protocol import Inspect, State
-        from ._sockets import request
-
-        deadline = Deadline(self.timeout)
+        """The bus now (at most `min_interval` old), or None if its publisher did not
+        answer within `timeout`."""
         if not self._asking.acquire(timeout=self.timeout):
             return None  # another scrape took the whole deadline: the bus did not answer
         try:
             if self._closed.is_set():
                 return None
             self.scrapes += 1
+            now = time.monotonic()
+            if self._last is not None and now - self._last[0] < self.min_interval:
+                return _aged(self._last[1], now - self._last[0])
+            sample = self._ask()
+            self._last = (time.monotonic(), sample)
+            return sample
+        finally:
+            self._asking.release()
+
+    def _ask(self) -> BusSample | None:
+        """One INSPECT, under `_asking`."""
+        from ._deadline import Deadline
+        from ._errors import ZmqSyncError
+        from ._protocol import Inspect, State
+        from ._sockets import request
+
+        self.inspects += 1
+        try:
             reply = request(
                 self._ctx,
                 self.address,
                 Inspect(""),
-                deadline=deadline,
+                deadline=Deadline(self.timeout),
                 secure=self._secure,
                 cancelled=self._closed.is_set,
             )
@@ -327,8 +374,6 @@ class StateCollector(Collector):
             self.failures += 1
             log.info("no state from %s: %s", self.address, exc)
             return None
-        finally:
-            self._asking.release()
         if not isinstance(reply, State):
             self.failures += 1
             log.info("%s answered %s, not STATE", self.address, reply.TYPE)
@@ -348,6 +393,141 @@ class StateCollector(Collector):
         if self._asking.acquire(timeout=self.timeout + 1.0):  # the scrape saw `_closed`
             self._asking.release()
         self._ctx.destroy(linger=0)
+
+
+def _aged(sample: BusSample | None, seconds: float) -> BusSample | None:
+    """`sample` as it would read `seconds` later: its workers heard that much longer ago."""
+    if sample is None or seconds <= 0:
+        return sample
+    workers = tuple(dataclasses.replace(w, silent_s=w.silent_s + seconds) for w in sample.workers)
+    return dataclasses.replace(sample, workers=workers)
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerTLS:
+    """TLS for the metrics server: its certificate and key, and whom it lets scrape.
+
+    The fields are those of a Prometheus exporter's web config (exporter-toolkit's
+    ``tls_server_config``). With `client_ca_file`, the server is what that config calls
+    ``client_auth_type: RequireAndVerifyClientCert``: a scraper without a certificate
+    signed by that CA gets no answer at all, so a bus's worker ids, hosts and pids stay
+    with whoever holds such a certificate. Without it, TLS only encrypts and proves the
+    server (anyone who reaches the port may scrape).
+
+    Args:
+        cert_file: the server's certificate (PEM), with its chain if any.
+        key_file: the certificate's private key (PEM, unencrypted).
+        client_ca_file: the CA certificates (PEM) a scraper's certificate must chain to.
+    """
+
+    cert_file: str
+    key_file: str
+    client_ca_file: str | None = None
+
+    def check(self) -> None:
+        """Load every file once, so that a missing or bad one is a one-line error naming
+        it before anything starts (prometheus-client's own error reads "PEM lib").
+
+        Raises:
+            ValueError: a file is missing or unreadable, is not PEM, or the key is not
+                the certificate's.
+        """
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        for role, path in self._files():
+            if not os.path.isfile(path):
+                raise ValueError(f"{role} {path!r}: no such file")
+            if not os.access(path, os.R_OK):
+                raise ValueError(f"{role} {path!r}: not readable by this user")
+        try:
+            ctx.load_cert_chain(self.cert_file, self.key_file)
+        except (ssl.SSLError, OSError) as exc:
+            raise ValueError(
+                f"TLS certificate {self.cert_file!r} and key {self.key_file!r} do not load "
+                f"({_reason(exc)}): both must be PEM, the key unencrypted and the "
+                "certificate's own"
+            ) from exc
+        if self.client_ca_file is not None:
+            try:
+                ctx.load_verify_locations(cafile=self.client_ca_file)
+            except (ssl.SSLError, OSError) as exc:
+                raise ValueError(
+                    f"client CA file {self.client_ca_file!r} does not load ({_reason(exc)}): "
+                    "it must hold PEM CA certificates"
+                ) from exc
+
+    def _files(self) -> list[tuple[str, str]]:
+        files = [("TLS certificate", self.cert_file), ("TLS key", self.key_file)]
+        if self.client_ca_file is not None:
+            files.append(("client CA file", self.client_ca_file))
+        return files
+
+
+def _reason(exc: BaseException) -> str:
+    """What OpenSSL said, without its source line ("_ssl.c:3900")."""
+    reason = getattr(exc, "reason", None)
+    return str(reason) if reason else str(exc)
+
+
+# How long a connection to the metrics server may take to say what it wants (TLS
+# handshake and request line): past it, its thread gives up on it.
+CONNECTION_TIMEOUT_S = 10.0
+
+
+def serve(
+    registry: Any, port: int, *, addr: str = "127.0.0.1", tls: ServerTLS | None = None
+) -> tuple[Any, threading.Thread]:
+    """Serve `registry` on ``/metrics``: prometheus-client's `start_http_server`, with TLS
+    and client certificates from `tls`, and hardened against idle connections.
+
+    prometheus-client's TLS server does the handshake of each connection in the thread
+    that accepts them all, with no timeout: one connection that sends nothing would stall
+    every scrape. Here the handshake is left to the connection's own thread, each
+    connection gets `CONNECTION_TIMEOUT_S` to finish it and send its request, and a
+    refused handshake (no client certificate, plain HTTP) is an INFO log line, not a
+    traceback on stderr.
+
+    Args:
+        registry: what to serve (a `prometheus_client.CollectorRegistry`).
+        port: TCP port; 0 picks a free one (``server.server_address[1]`` says which).
+        addr: address to listen on.
+        tls: certificate, key and client CA; None serves plain HTTP.
+
+    Returns:
+        The server and its thread, as `start_http_server` returns them: stop with
+        ``server.shutdown(); server.server_close()``.
+
+    Raises:
+        ValueError: a TLS file is missing or bad (`ServerTLS.check`).
+        OSError: the port cannot be bound.
+    """
+    from prometheus_client import start_http_server
+
+    files: dict[str, Any] = {}
+    if tls is not None:
+        tls.check()
+        files = {
+            "certfile": tls.cert_file,
+            "keyfile": tls.key_file,
+            "client_cafile": tls.client_ca_file,
+            "client_auth_required": tls.client_ca_file is not None,
+        }
+    server: Any = None
+    server, thread = start_http_server(port, addr=addr, registry=registry, **files)
+    if isinstance(server.socket, ssl.SSLSocket):
+        # what SSLSocket.accept() passes on to each connection (typeshed omits it);
+        # tests/test_metrics_tls.py checks that an idle connection stalls nothing
+        server.socket.do_handshake_on_connect = False  # type: ignore[attr-defined]
+    server.RequestHandlerClass = type(
+        "TimedHandler", (server.RequestHandlerClass,), {"timeout": CONNECTION_TIMEOUT_S}
+    )
+    server.handle_error = _log_refused
+    return server, thread
+
+
+def _log_refused(request: Any, client_address: Any) -> None:
+    """A connection that failed (handshake refused, timed out, closed): a log line."""
+    exc = sys.exc_info()[1]
+    log.info("metrics connection from %s failed: %s", client_address, exc)
 
 
 class RelayCollector(Collector):
