@@ -36,6 +36,7 @@ class Proc:
         )
         self.records: list[dict] = []
         self.stderr = ""
+        self._err_lines: list[str] = []
         self._cond = threading.Condition()
         self._out = threading.Thread(target=self._read_out, daemon=True)
         self._err = threading.Thread(target=self._read_err, daemon=True)
@@ -51,7 +52,16 @@ class Proc:
                     self._cond.notify_all()
 
     def _read_err(self) -> None:
-        self.stderr = self.proc.stderr.read()  # type: ignore[union-attr]
+        for line in self.proc.stderr:  # type: ignore[union-attr]
+            with self._cond:
+                self._err_lines.append(line)
+        self.stderr = "".join(self._err_lines)
+
+    def stderr_so_far(self) -> str:
+        """What the process wrote on stderr until now (`stderr` holds all of it once
+        the process ended)."""
+        with self._cond:
+            return "".join(self._err_lines)
 
     def wait_for(self, predicate, timeout: float = 30.0) -> dict:
         """The first record matching `predicate`, waiting at most `timeout`."""

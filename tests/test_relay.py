@@ -137,7 +137,7 @@ def applied_ok(proc: Proc, version: int) -> bool:
 def stop(proc: Proc) -> dict:
     """SIGTERM, wait, and return the worker's summary line."""
     proc.proc.terminate()
-    assert proc.finish(timeout=30) == 0, proc.stderr[-2000:]
+    assert proc.finish(timeout=30) == 143, proc.stderr[-2000:]  # 128 + SIGTERM
     return proc.summary()
 
 
@@ -243,7 +243,7 @@ def test_two_relays_every_version_verified_through_kill_and_restart(name, hosts,
     assert versions_b[:5] == [0, 1, 2, 3, 4] and versions_b[-3:] == [7, 8, 9], versions_b
     for proc in relays.values():
         proc.proc.terminate()
-    assert relays["hostA"].finish(30) == 0
+    assert relays["hostA"].finish(30) == 143
 
 
 @pytest.mark.timeout(180)
@@ -352,7 +352,7 @@ def test_raise_mode_withholds_the_ack_from_a_late_relay(name, hosts):
                 assert slow.poll(timeout=20) and not p.wait().missing
                 assert torch.equal(slow.weights["w"], torch.full((1000,), 3.0))
     relay.proc.terminate()
-    assert relay.finish(30) == 0
+    assert relay.finish(30) == 143
 
 
 @pytest.mark.timeout(150)
@@ -403,7 +403,7 @@ def test_cli_root_process_and_an_in_process_relay(name, spawn, bus_dirs):
                 assert any(r["type"] == "receive" and r["version"] == 1 for r in sniffer.records)
                 # the root process goes away: the local bus stays, the worker keeps v1
                 root.proc.send_signal(signal.SIGTERM)
-                assert root.finish(30) == 0
+                assert root.finish(30) == 143
                 closed = [r for r in root.records if r.get("event") == "closed"]
                 assert closed and closed[0]["version"] == 1
                 _wait(lambda: not relay.connected, 10, "the relay to notice")

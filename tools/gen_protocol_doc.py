@@ -376,8 +376,10 @@ A subscriber:
 6. sends HEARTBEAT on acks every `WELCOME.heartbeat` seconds, and BYE when it leaves.
 
 The publisher sends HEARTBEAT on events every `heartbeat` seconds (default
-{heartbeat} s), drops members silent for {beats} heartbeats, and on close broadcasts
-STOP with an empty session.
+{heartbeat} s), drops members silent for {beats} heartbeats, and on close sets the
+segment header's `closed` word (below), then broadcasts STOP with an empty session. A
+subscriber busy applying a version (a slow `on_update`) reads STOP only afterwards; the
+`closed` word tells it at once.
 
 ## Shared segment
 
@@ -533,11 +535,13 @@ def _header_rows() -> str:
         (H._LATEST_LOCK, "latest: counter (odd while the next two words change)"),
         (H._LATEST_VERSION, "latest: version announced last (`EMPTY`: none yet)"),
         (H._LATEST_SLOT, "latest: its slot"),
+        (H._CLOSED, "closed: 1 once the publisher closes the bus (set before its STOP)"),
     ]
     lines = [f"| {w} | {8 * w} | {meaning} |" for w, meaning in rows]
     first = H._FIRST_SLOT
-    if first > H._LATEST_SLOT + 1:
-        lines.append(f"| {H._LATEST_SLOT + 1}–{first - 1} | | reserved, 0 |")
+    if first > H._CLOSED + 1:
+        words = f"{H._CLOSED + 1}" + (f"–{first - 1}" if first - 1 > H._CLOSED + 1 else "")
+        lines.append(f"| {words} | | reserved, 0 |")
     lines.append(f"| {first} + 2i | {8 * first} + 16i | slot i: counter (odd while written) |")
     lines.append(
         f"| {first + 1} + 2i | {8 * first + 8} + 16i | slot i: version it holds (`EMPTY`: none) |"

@@ -272,6 +272,7 @@ class Publisher:
         self._state = "new"  # new -> started -> closed
         self._agent: Agent | None = None
         self._acks: AckWait | None = None  # once started
+        self._segment: CpuSegment | None = None  # its header says when the bus closes
         self._resources = contextlib.ExitStack()
         self._pid = os.getpid()
 
@@ -347,6 +348,7 @@ class Publisher:
             gid=self._gid,
         )
         stack.enter_context(segment)
+        self._segment = segment
         cuda = [
             stack.enter_context(
                 _DEVICE_BUFFER(device, slots=self._slot_count, slot_bytes=self._layout.slot_bytes)
@@ -376,6 +378,8 @@ class Publisher:
             return
         if self._acks is not None:
             self._acks.closed = True
+        if self._segment is not None:  # seen at once, also by a worker busy applying
+            self._segment.header.mark_closed()
         if self._agent is not None:
             self._agent.command(b"stop")
         self._resources.close()

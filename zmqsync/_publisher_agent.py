@@ -135,6 +135,7 @@ class Agent:
         self._orphaned = False  # stop() was called on this thread (see stop)
         self._unread = False  # the last drain of the acks socket left frames there
         self._stops: list[tuple[Stop, str]] = []  # to send once the registry lock is free
+        self._refused: tuple[str, str] = ("", "")  # the last refusal logged (see _on_request)
 
     def start(self) -> None:
         self._thread.start()
@@ -582,8 +583,10 @@ class Agent:
                 raise ProtocolError(f"{msg.TYPE} is not a request")
         except ProtocolError as exc:
             self._count("rejected")
-            if isinstance(msg, Hello):  # "busy:" is retried by the worker; the rest is final
-                level = logging.INFO if str(exc).startswith("busy:") else logging.WARNING
+            if isinstance(msg, Hello):  # once per worker and reason: refusals are retried
+                refusal = (peer, str(exc))
+                level = logging.DEBUG if refusal == self._refused else logging.WARNING
+                self._refused = refusal
                 log.log(level, "worker %s refused: %s", printable(peer), printable(exc))
             else:
                 log.debug("rejected request: %s", printable(exc))

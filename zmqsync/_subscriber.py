@@ -86,6 +86,9 @@ from ._worker_state import WorkerState
 __all__ = ["Reading", "Subscriber"]
 
 log = logging.getLogger(__name__)
+# Said once by a worker whose handshake is not answered at first (the CLI's worker shows
+# this line at its default level): bus name, address, how long it waits.
+WAITING = "waiting for bus %r at %s %s"
 _APPLY_ATTEMPTS = 100
 
 
@@ -207,7 +210,7 @@ class Subscriber:
         self.address = self._address_arg or _config.default_address(self.name)
         self._pid = os.getpid()
         self._agent = Agent(self._link, self._port(), f"zmqsync-sub-{self.name}")
-        self._agent.start(Deadline(self._timeout))
+        self._agent.start(Deadline(self._timeout), self._say_waiting)
         _lifecycle.track(self)
         log.info(
             "subscriber %s joined %s at version %d (%s/%s)",
@@ -218,6 +221,11 @@ class Subscriber:
             self.apply,
         )
         return self
+
+    def _say_waiting(self) -> None:
+        """No publisher answered yet: say so once, rather than nothing until the timeout."""
+        limit = "with no limit" if self._timeout is None else f"up to {self._timeout:g} s"
+        log.info(WAITING, self.name, self.address, limit)
 
     def close(self) -> None:
         """Send BYE, release the slot, unmap. Idempotent; the model keeps its weights."""
@@ -291,7 +299,7 @@ class Subscriber:
     @property
     def connected(self) -> bool:
         """False while the publisher is unreachable (the last version stays in use)."""
-        return not self._closed and self._link.connected
+        return not self._closed and self._link.connected and not self._bus_closed()
 
     @property
     def transport(self) -> str:
@@ -306,8 +314,12 @@ class Subscriber:
     @property
     def stopped(self) -> bool:
         """True after the publisher closed the bus (until a new publisher answers), and
-        for good once it refused this worker (see `refusal`)."""
-        return self._link.stopped
+        for good once it refused this worker (see `refusal`).
+
+        Read from the segment's header too, where the publisher marks the bus closed
+        before its STOP: a worker whose thread is busy in `on_update` is told at once.
+        """
+        return self._link.stopped or self._bus_closed()
 
     @property
     def refusal(self) -> str:
@@ -413,7 +425,7 @@ class Subscriber:
         """Block until the publisher closes the bus; False if the deadline passed first."""
         deadline = Deadline(self._timeout if timeout is DEFAULT else timeout)
         with self._cond:
-            while not self._link.stopped:
+            while not self.stopped:
                 self._check_usable()
                 if deadline.expired():
                     return False
@@ -476,6 +488,16 @@ class Subscriber:
             if self.apply == "background" and self._on_update is None
             else None,
         )
+
+    def _bus_closed(self) -> bool:
+        """Whether the publisher of the segment mapped now marked the bus closed."""
+        attachment = self._attachment
+        if self._closed or attachment is None:
+            return False
+        try:
+            return attachment.header.closed()
+        except ValueError:  # replaced and unmapped meanwhile (a re-join): not closed
+            return False
 
     def _latest(self) -> tuple[int, int] | None:
         attachment = self._attachment

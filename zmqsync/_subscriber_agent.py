@@ -31,7 +31,7 @@ from ._buffers.transport import (
 )
 from ._config import XPUB_WELCOME
 from ._deadline import Deadline
-from ._errors import BufferUnavailable, ConnectTimeout, ProtocolError
+from ._errors import BufferUnavailable, ConnectTimeout, LayoutMismatch, ProtocolError
 from ._fast_frames import read_receive, template
 from ._link import Action, Handshake, Link, Lost, Offer, Rejected, Repair, Stopped
 from ._protocol import (
@@ -56,11 +56,13 @@ from ._sockets import (
 )
 from ._text import printable
 
-__all__ = ["SUBSCRIBE_TURN_S", "Agent", "Port", "Waiters"]
+__all__ = ["SUBSCRIBE_TURN_S", "WAITING_NOTE_S", "Agent", "Port", "Waiters"]
 
 log = logging.getLogger(__name__)
 _WAKE = b"\x01"  # from the subscriber's own inproc PUB: look at the flags (never a message)
 _WAIT_CAP_S = 0.1
+WAITING_NOTE_S = 1.0  # a handshake not answered by then is said to wait (see `start`)
+_BYE_WAIT_MS = 500  # a BYE after a failed join: how long to wait to send it, and to flush
 _RETRIED = ("busy:", "bus full")  # refusals a handshake retries within its deadline
 # The first turn of the wait for a subscription's confirmation (then a new connection).
 SUBSCRIBE_TURN_S = 1.0
@@ -154,6 +156,7 @@ class Agent:
         self._startup: BaseException | None = None
         self._deadline = Deadline(10.0)
         self._terminating = False
+        self._answered = False  # a publisher answered a HELLO (see `start`)
         # `acks` is used by the agent and, in manual mode, by the user's thread (ACK after
         # poll()); both send under this lock.
         self._send_lock = threading.Lock()
@@ -173,9 +176,15 @@ class Agent:
         """This worker's session on the bus joined ("" before the first WELCOME)."""
         return self.link.session
 
-    def start(self, deadline: Deadline) -> None:
+    def start(self, deadline: Deadline, waiting: Callable[[], None] | None = None) -> None:
+        """Handshake and apply the current version on the agent thread, waiting for it
+        here; `waiting` is called once if no publisher answered within WAITING_NOTE_S
+        (a worker started before its trainer says so, rather than nothing for long)."""
         self._deadline = deadline
         self._thread.start()
+        if waiting is not None and not self._started.wait(deadline.wait_s(WAITING_NOTE_S)):
+            if not self._answered and not deadline.expired():
+                waiting()
         # The handshake itself is bounded by `deadline`; the margin covers the apply.
         margin = deadline.remaining()
         self._started.wait(None if margin is None else margin + 30.0)
@@ -253,12 +262,17 @@ class Agent:
         transport, note = port.transport()
         hello = link.hello(os.getpid(), socket.gethostname()[:255], transport, note)
         reply = self._request_welcome(hello, deadline, attempts)
+        self._answered = True
         # map and check the buffers first: a hostile WELCOME stops here
-        fallback = port.adopt(reply, hello, None)
-        if fallback is not None:  # what the HELLO asked for cannot work here: say why
-            hello = link.fallback_hello(hello, reply, fallback.transport, fallback.reason)
-            reply = self._request_welcome(hello, deadline, attempts)
-            port.adopt(reply, hello, fallback)
+        try:
+            fallback = port.adopt(reply, hello, None)
+            if fallback is not None:  # what the HELLO asked for cannot work here: say why
+                hello = link.fallback_hello(hello, reply, fallback.transport, fallback.reason)
+                reply = self._request_welcome(hello, deadline, attempts)
+                port.adopt(reply, hello, fallback)
+        except LayoutMismatch:
+            self._leave(reply)
+            raise
         events = resolve_endpoint(port.address, reply.events)
         self._subscribe(events, deadline, reply.heartbeat)
         acks = connect(self.ctx, zmq.PUSH, resolve_endpoint(port.address, reply.acks), port.secure)
@@ -309,6 +323,22 @@ class Agent:
         resolve_endpoint(address, reply.events)
         resolve_endpoint(address, reply.acks)
         return reply
+
+    def _leave(self, welcome: Welcome) -> None:
+        """BYE for a session whose version this worker cannot apply (its model has
+        another layout): the publisher forgets it now, and logs that it left without
+        applying, rather than after waiting for it to go silent."""
+        endpoint = resolve_endpoint(self.port.address, welcome.acks)
+        sock = connect(self.ctx, zmq.PUSH, endpoint, self.port.secure)
+        try:
+            if sock.poll(_BYE_WAIT_MS, zmq.POLLOUT):
+                sock.linger = _BYE_WAIT_MS
+                bye = Bye(welcome.bus, self.link.worker_id, welcome.session)
+                send_bytes(sock, encode(bye), NOBLOCK)
+        except zmq.ZMQError as exc:
+            log.debug("no BYE after a failed join: %s", exc)
+        finally:
+            sock.close()
 
     def _subscribe(self, endpoint: str, deadline: Deadline, heartbeat: float) -> None:
         """Connect SUB and wait until the publisher confirms the subscription is live.

@@ -30,6 +30,7 @@ from types import FrameType
 from typing import IO, Any
 
 from ._checksum import CHECKSUM_KEY, digest, stored_digest
+from ._cli.signals import interrupt, record
 from ._errors import ProtocolError
 from ._layout import Key
 from ._subscriber import Subscriber
@@ -313,7 +314,8 @@ class _Signals:
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         self.stop.set()
         if not self.joined:
-            raise KeyboardInterrupt
+            interrupt(signum)  # KeyboardInterrupt, or Terminated for SIGTERM
+        record(signum)  # the command's exit status says which ended it
 
 
 def run_worker(

@@ -14,7 +14,8 @@ Signals: SIGTERM (``docker stop``, systemd, ``kill``) raises KeyboardInterrupt i
 main thread, as Ctrl-C does, so every ``with`` block unwinds the same way: a publisher
 unlinks its segment and socket files, the demo ends its workers. The commands that run
 until stopped (worker, sniff, top, metrics, relay) catch both signals themselves, finish
-the line they are on, print their summary and exit 0.
+the line they are on and print their summary. Every command then exits 130 after
+SIGINT and 143 after SIGTERM (`_cli.signals`); one that failed meanwhile keeps its 1.
 
 Any local process can be a peer on a bus, so every string a peer sent (a worker id, a
 host, a STOP or ERROR reason, a bus name, a counter name, a tensor key) is shown with its
@@ -27,14 +28,12 @@ out as ``\\uXXXX`` escapes and round-trip exactly through any JSON parser.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
 import signal
 import sys
-from collections.abc import Iterator, Sequence
-from types import FrameType
+from collections.abc import Sequence
 
-from ._cli import LINE_LIMIT, bench, demo, gc, inspect, metrics, relay, sniff, top, worker
+from ._cli import LINE_LIMIT, bench, demo, gc, inspect, metrics, relay, signals, sniff, top, worker
 from ._errors import ZmqSyncError
 from ._text import printable
 
@@ -61,10 +60,6 @@ Buses are found by name in $ZMQSYNC_RUNTIME_DIR (default $XDG_RUNTIME_DIR/zmqsyn
 success, 1 with a one-line reason on failure, 2 for a usage error, 130 after Ctrl-C,
 143 after SIGTERM. Docs: README.md, docs/guide.md, docs/sniffer.md,
 docs/metrics.md."""
-
-
-class _Terminated(KeyboardInterrupt):
-    """SIGTERM, raised where Ctrl-C's KeyboardInterrupt would be (exit status 143)."""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -111,31 +106,18 @@ def _expected(exc: BaseException) -> bool:
     return zmq is not None and isinstance(exc, zmq.ZMQError)
 
 
-@contextlib.contextmanager
-def _terminate_as_interrupt() -> Iterator[None]:
-    """SIGTERM raises `_Terminated` (a KeyboardInterrupt) in the main thread while the
-    command runs, so that ``kill`` and ``docker stop`` unwind what Ctrl-C unwinds."""
-
-    def on_sigterm(signum: int, frame: FrameType | None) -> None:
-        raise _Terminated
-
-    previous = signal.signal(signal.SIGTERM, on_sigterm)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     handler = logging.StreamHandler()
     handler.setFormatter(_PrintableFormatter("%(asctime)s %(name)s %(message)s"))
     logging.basicConfig(level=args.log_level.upper(), handlers=[handler])
+    signals.reset()
     try:
-        with _terminate_as_interrupt():
-            return int(args.func(args))
+        with signals.terminate_as_interrupt():
+            status = int(args.func(args))
     except KeyboardInterrupt as exc:
-        return 143 if isinstance(exc, _Terminated) else 130
+        term = isinstance(exc, signals.Terminated)
+        return signals.exit_status(signal.SIGTERM if term else signal.SIGINT)
     except Exception as exc:
         if not _expected(exc):
             raise
@@ -143,6 +125,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         reason = printable(exc, limit=LINE_LIMIT)
         print(f"zmqsync {args.command}: {type(exc).__name__}: {reason}", file=sys.stderr)
         return 1
+    signum = signals.caught()  # a command that ended on a signal it caught
+    return signals.exit_status(signum) if signum is not None and status == 0 else status
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from .._cli.signals import Terminated
 from .config import MODES, QUICK, SIZES, BenchConfig
 from .machine import torchrl_available
 from .plots import plot
@@ -193,7 +194,7 @@ def _sigterm_as_interrupt() -> Iterator[None]:
         return
 
     def handler(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt
+        raise Terminated  # a KeyboardInterrupt: exit status 143, not Ctrl-C's 130
 
     old = signal.signal(signal.SIGTERM, handler)
     try:

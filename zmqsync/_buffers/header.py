@@ -22,7 +22,7 @@ HEADER_BYTES = 4096
 MAGIC = 0x315F434E5953514D  # b"MQSYNC_1" little-endian
 _EMPTY = (1 << 64) - 1
 # word indices
-_MAGIC, _SLOTS, _SLOT_BYTES, _LATEST_LOCK, _LATEST_VERSION, _LATEST_SLOT = range(6)
+_MAGIC, _SLOTS, _SLOT_BYTES, _LATEST_LOCK, _LATEST_VERSION, _LATEST_SLOT, _CLOSED = range(7)
 # a slot's words: (seqlock counter, version) at FIRST_SLOT_WORD + 2 * slot. The native
 # follower (``_follower.c``) is given these at construction rather than its own copy.
 FIRST_SLOT_WORD = _FIRST_SLOT = 8
@@ -73,7 +73,16 @@ class Header:
         w[_LATEST_SLOT] = slot
         w[_LATEST_LOCK] = w[_LATEST_LOCK] + 1
 
+    def mark_closed(self) -> None:
+        """The bus is closing: readers see it at once, also a worker whose thread is busy
+        (in `on_update`) when the STOP arrives."""
+        self._words[_CLOSED] = 1
+
     # --- reader side ---
+
+    def closed(self) -> bool:
+        """True once the writer closed the bus (`mark_closed`)."""
+        return self._words[_CLOSED] != 0
 
     def read_begin(self, slot: int, version: int) -> int | None:
         """The counter to check later, or None if `slot` does not now hold `version`.

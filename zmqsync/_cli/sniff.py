@@ -11,13 +11,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import signal
-from collections.abc import Iterator
-from types import FrameType
 from typing import Any
 
 from .._text import printable
-from . import LINE_LIMIT
+from . import LINE_LIMIT, signals
 from .args import add_target, bus_address, positive
 from .buses import ask, wait_for_bus
 
@@ -56,20 +53,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-@contextlib.contextmanager
-def _signals_set(stop: Any) -> Iterator[None]:
+def _signals_set(stop: Any) -> contextlib.AbstractContextManager[None]:
     """Ctrl-C and SIGTERM set `stop` (a threading.Event) for as long as the block runs:
-    a loop that checks it ends between two items, and prints what it has."""
-
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        stop.set()
-
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
+    a loop that checks it ends between two items, and prints what it has; the command
+    then exits 130 or 143 (`signals.ending`)."""
+    return signals.ending(stop)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
+from collections.abc import Iterator
 
 from .._errors import ConnectTimeout
 from .args import add_target, bus_address, check_address, non_negative_int, positive
@@ -69,6 +72,38 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+class _ShowWaiting(logging.Filter):
+    """Lets the subscriber's one "waiting for bus" line through below the CLI's log level:
+    a worker started before its trainer says what it waits for, at any --log-level."""
+
+    def __init__(self, level: int) -> None:
+        super().__init__()
+        self.level = level
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from .._subscriber import WAITING
+
+        return record.msg == WAITING or record.levelno >= self.level
+
+
+@contextlib.contextmanager
+def _showing_waiting() -> Iterator[None]:
+    logger = logging.getLogger("zmqsync._subscriber")
+    level = logger.getEffectiveLevel()
+    if level <= logging.INFO:  # shown anyway
+        yield
+        return
+    shown = _ShowWaiting(level)
+    previous = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addFilter(shown)
+    try:
+        yield
+    finally:
+        logger.removeFilter(shown)
+        logger.setLevel(previous)
+
+
 def run(args: argparse.Namespace) -> int:
     """Join the bus and hold its weights until it closes (or a signal); a timeout names
     the buses that do answer here."""
@@ -76,18 +111,19 @@ def run(args: argparse.Namespace) -> int:
 
     address = check_address(args.address) if args.address else None
     try:
-        return run_worker(
-            address,
-            name=args.name,
-            mode=args.mode,
-            apply=args.apply,
-            verify=args.verify,
-            as_json=args.json,
-            report_digest=args.digest,
-            worker_id=args.worker_id,
-            until_version=args.until_version,
-            forever=args.forever,
-            timeout=args.timeout,
-        )
+        with _showing_waiting():
+            return run_worker(
+                address,
+                name=args.name,
+                mode=args.mode,
+                apply=args.apply,
+                verify=args.verify,
+                as_json=args.json,
+                report_digest=args.digest,
+                worker_id=args.worker_id,
+                until_version=args.until_version,
+                forever=args.forever,
+                timeout=args.timeout,
+            )
     except ConnectTimeout as exc:
         raise ConnectTimeout(f"{exc}{where_are_buses(bus_address(args))}") from exc

@@ -15,6 +15,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from .._cli import signals
 from ._carrier import Relayed
 from ._host import Relay
 from ._root import RelayRoot
@@ -36,6 +37,7 @@ def run_relay(args: argparse.Namespace) -> int:
     node = _root(args, emit) if args.root else _relay(args, emit)
 
     def on_signal(signum: int, frame: Any) -> None:
+        signals.record(signum)  # exit 130 or 143 once closed
         stop.set()
 
     with contextlib.ExitStack() as stack:
