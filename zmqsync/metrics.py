@@ -44,8 +44,10 @@ try:
     )
     from prometheus_client.registry import Collector
 except ImportError as exc:  # pragma: no cover - the extra is installed in CI
+    from ._extras import install_hint
+
     raise ImportError(
-        "zmqsync.metrics needs prometheus-client: pip install 'zmqsync[metrics]'"
+        f"zmqsync.metrics needs prometheus-client: {install_hint('metrics')}"
     ) from exc
 
 from ._bus_sample import BusSample, from_publisher, from_state

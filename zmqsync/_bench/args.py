@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from .._cli.signals import Terminated
+from .._extras import install_hint
 from .config import MODES, QUICK, SIZES, BenchConfig
 from .machine import torchrl_available
 from .plots import plot
@@ -214,7 +215,7 @@ def run_from_args(args: argparse.Namespace, command: str = "") -> int:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            print("zmqsync bench: --plot needs matplotlib: pip install 'zmqsync[plot]'",
+            print(f"zmqsync bench: --plot needs matplotlib: {install_hint('plot')}",
                   file=sys.stderr)  # fmt: skip
             return 1
     console = None if args.quiet else Console(width=None if sys.stdout.isatty() else 180)

@@ -45,7 +45,9 @@ def torchrl_available() -> str:
     try:
         metadata.version("torchrl")
     except metadata.PackageNotFoundError:
-        return "torchrl is not installed: pip install 'zmqsync[torchrl]'"
+        from .._extras import install_hint
+
+        return f"torchrl is not installed: {install_hint('torchrl')}"
     return ""
 
 

@@ -41,8 +41,10 @@ def plot(res: Results, out: Path) -> list[Path]:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        from .._extras import install_hint
+
         raise SystemExit(
-            "plots need matplotlib: pip install 'zmqsync[plot]' (or run without --plot)"
+            f"plots need matplotlib (or run without --plot): {install_hint('plot')}"
         ) from None
     out.mkdir(parents=True, exist_ok=True)
     ok = [r for r in res.rows if r.status == "ok"]

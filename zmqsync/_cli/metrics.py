@@ -35,7 +35,7 @@ HELP = "serve a bus's metrics to Prometheus (/metrics over HTTP or HTTPS)"
 DESCRIPTION = (
     "Serve /metrics for a bus, read over its control socket at each scrape: run it beside "
     "a trainer (or in another container) and point Prometheus at it. Needs "
-    "prometheus-client (pip install 'zmqsync[metrics]'). See docs/metrics.md."
+    "prometheus-client (pip install prometheus-client). See docs/metrics.md."
 )
 
 
@@ -121,9 +121,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         from prometheus_client import CollectorRegistry
     except ImportError:
+        from .._extras import install_hint
+
         print(
-            "zmqsync metrics: needs prometheus-client: pip install 'zmqsync[metrics]'",
-            file=sys.stderr,
+            f"zmqsync metrics: needs prometheus-client: {install_hint('metrics')}", file=sys.stderr
         )
         return 1
     from ..metrics import StateCollector, serve

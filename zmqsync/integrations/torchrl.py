@@ -70,8 +70,10 @@ try:
         register_weight_sync_backend,
     )
 except ImportError as exc:  # pragma: no cover - depends on the environment
+    from .._extras import install_hint
+
     raise ImportError(
-        "zmqsync.integrations.torchrl needs torchrl (>= 0.14): pip install 'zmqsync[torchrl]'"
+        f"zmqsync.integrations.torchrl needs torchrl (>= 0.14): {install_hint('torchrl')}"
     ) from exc
 
 from ._torchrl_weights import (  # noqa: E402 - after the check that torchrl is there
