@@ -1,7 +1,7 @@
 """A connection storm against a bus's socket on this host, bounded in count and time.
 
     python tools/connect_storm.py ENDPOINT [--mode raw|zmtp|hold] [--seconds 10]
-                                  [--count N] [--hold N] [--procs P]
+                                  [--count N] [--hold N] [--procs P] [--join CONTROL]
 
 Modes, each a loop in one process (or `--procs` of them):
 
@@ -13,6 +13,10 @@ Modes, each a loop in one process (or `--procs` of them):
   handshake, so a ZAP handler is asked about each one.
 * ``hold``: keep up to `--hold` connections open (greeted, then silent), opening a new one
   whenever one is dropped.
+
+``--join CONTROL`` first joins the bus at that control address as a worker (one HELLO,
+welcomed, never a word after it), so that the storm comes from a *member*'s process: a
+peer the publisher holds to a worker's allowance, not a stranger's.
 
 Only loopback is ever a target: ipc://, or tcp:// on 127.0.0.0/8, ::1 or localhost.
 Prints one JSON line at the end: connections made, seconds, rate, errors.
@@ -109,6 +113,24 @@ def _storm(endpoint: str, mode: str, seconds: float, count: int, hold: int) -> d
     return {"connections": made, "errors": errors, "seconds": elapsed}
 
 
+def _join(control: str) -> None:
+    """One HELLO as a worker of this process, welcomed: the storm's peer is a member."""
+    import os
+
+    import zmq
+
+    from zmqsync._deadline import Deadline
+    from zmqsync._protocol import Hello, Welcome
+    from zmqsync._sockets import request
+
+    with zmq.Context() as ctx:
+        hello = Hello("", f"storm-{os.getpid()}", os.getpid(), "storm", "copy", "cpu")
+        reply = request(ctx, control, hello, deadline=Deadline(30.0))
+    if not isinstance(reply, Welcome):
+        raise SystemExit(f"not welcomed: {reply!r}")
+    print(json.dumps({"event": "joined", "pid": os.getpid()}), flush=True)
+
+
 def _run(args: argparse.Namespace) -> dict[str, float]:
     return _storm(args.endpoint, args.mode, args.seconds, args.count, args.hold)
 
@@ -121,8 +143,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--count", type=int, default=10_000_000, help="at most this many connections")
     p.add_argument("--hold", type=int, default=1000, help="hold: connections kept open")
     p.add_argument("--procs", type=int, default=1, help="processes, each its own storm")
+    p.add_argument("--join", default=None, help="join the bus at this control address first")
     args = p.parse_args(argv)
     _target(args.endpoint)
+    if args.join is not None:
+        if args.procs != 1:
+            p.error("--join storms from the joined process itself: --procs 1")
+        _target(args.join)
+        _join(args.join)
     signal.signal(signal.SIGTERM, lambda *_: _stopped.append(True))
     args.seconds = min(max(args.seconds, 0.0), 600.0)
     if args.procs > 1:

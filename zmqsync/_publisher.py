@@ -18,7 +18,9 @@ Invariants:
   evictions, BYEs, acks nobody waits for). Registry updates happen under one lock and
   condition.
 * Every wait has a deadline: a publish builds one and spends it on finding a free slot
-  and on collecting every ack.
+  and on collecting every ack. With on_timeout="evict", a slot freed at the deadline by
+  evicting its holders (only the holders of that one slot: `Registry.blockers`) starts
+  the wait for acks anew: the workers that did their part are never evicted for it.
 * CUDA weights (see docs/cuda.md) go into one dedicated CUDA buffer per device, shared
   over CUDA IPC; the publisher synchronizes its stream before the header calls a slot
   complete, so a RECEIVE never precedes its bytes. The CPU segment always exists (it
@@ -494,6 +496,10 @@ class Publisher:
             mode.settle(deadline)  # the version before this one is out first
             version = mode.version(self._registry.latest)
             slot = mode.claim(deadline)
+            if deadline.expired():  # "evict": the slot's holders were dropped at the
+                # deadline; the version written now gets the whole timeout for its acks,
+                # so that no worker is evicted for a wait it could not shorten
+                deadline = Deadline(deadline.total)
             with self._shared.cond:
                 ids = self._registry.members if workers is None else workers
                 targets = self._registry.meant(ids)
