@@ -4,15 +4,20 @@ trainer."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
+import subprocess
+import sys
+import threading
 import time
 
 import pytest
 import torch
 
 import zmqsync
+from tests.conftest import ROOT
 
 
 def _wait_until(predicate, timeout: float, what: str) -> None:
@@ -132,3 +137,313 @@ def test_the_cli_worker_shows_that_it_waits_then_joins(name, spawn):
         worker.wait_for(lambda r: r["event"] == "joined", timeout=60)
     assert worker.finish() == 0
     assert worker.stderr.count("waiting for bus") == 1
+
+
+# --- every command exits 130 after SIGINT, 143 after SIGTERM --------------------------------
+
+
+class _Command:
+    """`python -m zmqsync ARGS` in a process group of its own, every output line kept."""
+
+    def __init__(self, *args: str) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "zmqsync", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+            env=dict(os.environ),
+            start_new_session=True,  # its workers too are ended by `kill`
+        )
+        self._lines: list[str] = []
+        self._lock = threading.Lock()
+        self._readers = [
+            threading.Thread(target=self._read, args=(pipe,), daemon=True)
+            for pipe in (self.proc.stdout, self.proc.stderr)
+        ]
+        for reader in self._readers:
+            reader.start()
+
+    def _read(self, pipe) -> None:
+        for line in pipe:
+            with self._lock:
+                self._lines.append(line)
+
+    @property
+    def output(self) -> str:
+        with self._lock:
+            return "".join(self._lines)
+
+    def wait_for(self, text: str, timeout: float = 90.0) -> None:
+        _wait_until(
+            lambda: text in self.output or self.proc.poll() is not None, timeout, repr(text)
+        )
+        assert text in self.output, self.output[-3000:]
+
+    def finish(self, timeout: float = 60.0) -> int:
+        rc = self.proc.wait(timeout)
+        for reader in self._readers:
+            reader.join(5)
+        return rc
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(10)
+        for pipe in (self.proc.stdout, self.proc.stderr):
+            if pipe is not None:
+                pipe.close()
+
+
+@pytest.fixture
+def command():
+    """command(ARGS...) -> a running `zmqsync ARGS`; every one killed at teardown."""
+    started: list[_Command] = []
+
+    def start(*args: str) -> _Command:
+        started.append(_Command(*args))
+        return started[-1]
+
+    yield start
+    for cmd in started:
+        cmd.kill()
+
+
+@pytest.fixture
+def silent_bus(bus_dirs, ctx):
+    """A socket file whose listener takes requests and never answers (a hung publisher):
+    yields (name, a function that waits until a request came in)."""
+    import zmq
+
+    runtime, _ = bus_dirs
+    router = ctx.socket(zmq.ROUTER)
+    router.linger = 0
+    router.bind(f"ipc://{runtime}/hung.sock")
+
+    def asked(timeout: float = 60.0) -> None:
+        assert router.poll(int(timeout * 1000)) & zmq.POLLIN, "no request came in"
+
+    yield "hung", asked
+    router.close()
+
+
+SIGNALS = pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["sigint", "sigterm"])
+
+
+def _ends_with(cmd: _Command, sig: int) -> None:
+    cmd.proc.send_signal(sig)
+    assert cmd.finish() == 128 + sig, cmd.output[-3000:]
+    assert "Traceback" not in cmd.output, cmd.output[-3000:]
+
+
+@SIGNALS
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("what", ["worker", "sniff", "top", "metrics", "relay"])
+def test_commands_on_a_bus_exit_128_plus_the_signal(what, sig, name, command, bus_dirs):
+    runtime, _ = bus_dirs
+    args, ready = {
+        "worker": (("worker", "--name", name, "--json"), '"event": "joined"'),
+        "sniff": (("sniff", "--name", name, "--json"), '"type": "heartbeat"'),
+        "top": (("top", "--name", name, "--interval", "0.2"), "workers 0"),
+        "metrics": (("metrics", "--name", name, "--port", "0"), "serving http://"),
+        "relay": (
+            ("relay", "--root", "--name", name, "--init-method", "tcp://127.0.0.1:0", "--json"),
+            '"event": "started"',
+        ),
+    }[what]
+    security = zmqsync.Security(tap=True)
+    with zmqsync.Publisher(torch.nn.Linear(4, 2), name=name, security=security):
+        cmd = command(*args)
+        cmd.wait_for(ready)
+        _ends_with(cmd, sig)
+    assert os.listdir(runtime) == []
+
+
+@SIGNALS
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("what", ["inspect", "buses"])
+def test_commands_waiting_for_a_hung_publisher_exit_128_plus_the_signal(
+    what, sig, command, silent_bus
+):
+    bus, asked = silent_bus
+    if what == "inspect":
+        cmd = command("inspect", "--name", bus, "--timeout", "60")
+    else:
+        cmd = command("buses", "--timeout", "60")
+    asked()  # the command is inside its wait for the answer
+    _ends_with(cmd, sig)
+
+
+@SIGNALS
+@pytest.mark.timeout(180)
+def test_the_demo_exits_128_plus_the_signal_and_leaves_nothing(sig, command, bus_dirs):
+    runtime, _ = bus_dirs
+    cmd = command("demo", "--workers", "1", "--updates", "100000", "--size-mb", "1")
+    _wait_until(lambda: any(runtime.iterdir()), 120, "the demo's bus")
+    _ends_with(cmd, sig)
+    assert os.listdir(runtime) == []
+
+
+@SIGNALS
+@pytest.mark.timeout(240)
+def test_the_bench_exits_128_plus_the_signal(sig, command, tmp_path):
+    cmd = command("bench", "--quick", "--out", str(tmp_path))
+    cmd.wait_for("N=1", timeout=180)  # a first row measured
+    _ends_with(cmd, sig)
+    assert (tmp_path / "results.json").exists()  # what it measured is kept
+
+
+# --- frictions ---------------------------------------------------------------------------
+
+
+def _zmqsync(*args: str, columns: int = 80) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, COLUMNS=str(columns))
+    return subprocess.run(
+        [sys.executable, "-m", "zmqsync", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        cwd=ROOT,
+    )
+
+
+def test_version_names_the_package_python_and_zeromq():
+    import platform
+
+    import zmq
+
+    done = _zmqsync("--version")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == (
+        f"zmqsync {zmqsync.__version__} ({os.path.dirname(zmqsync.__file__)}; Python "
+        f"{platform.python_version()}, pyzmq {zmq.__version__}, libzmq {zmq.zmq_version()})\n"
+    )
+
+
+@pytest.mark.timeout(120)
+def test_buses_lists_every_bus_here_and_the_left_over_ones(bus_dirs, name):
+    import json
+    import socket
+
+    runtime, _ = bus_dirs
+    assert _zmqsync("buses").stdout == f"no buses in {runtime}\n"
+    with socket.socket(socket.AF_UNIX) as dead:  # a killed publisher's socket file
+        dead.bind(str(runtime / "gone.sock"))
+    with zmqsync.Publisher(torch.nn.Linear(4, 2), name=name) as pub:
+        with zmqsync.Subscriber(name=name, model=torch.nn.Linear(4, 2), timeout=30):
+            pub.publish()
+            table = _zmqsync("buses")
+            listed = _zmqsync("buses", "--json")
+    assert table.returncode == 0 and listed.returncode == 0, table.stderr + listed.stderr
+    gone, up = (json.loads(line) for line in listed.stdout.splitlines())
+    assert gone == {"name": "gone", "address": f"ipc://{runtime}/gone.sock", "state": "left over"}
+    assert up == {
+        "name": name,
+        "address": pub.address,
+        "state": "up",
+        "bus": pub.bus_id,
+        "pid": os.getpid(),
+        "version": 1,
+        "workers": 1,
+        "applied": 1,
+    }
+    lines = table.stdout.splitlines()
+    assert lines[0].strip() == f"buses in {runtime}"
+    assert max(len(line) for line in lines) <= 80
+    row = next(line for line in lines if line.strip().startswith(name))
+    assert row.split() == [name, pub.address, str(os.getpid()), "1", "1"]
+    row = next(line for line in lines if line.strip().startswith("gone"))
+    assert row.split() == ["gone", f"ipc://{runtime}/gone.sock", "-", "-", "left", "over"]
+    assert "`zmqsync gc` removes it" in table.stdout
+    os.unlink(runtime / "gone.sock")
+
+
+@pytest.mark.timeout(120)
+def test_long_worker_ids_are_never_cut_at_80_columns(name):
+    long_id = "collector-gpu-node-17-rank-3-abcdef0123"
+    with zmqsync.Publisher(torch.nn.Linear(4, 2), name=name) as pub:
+        with zmqsync.Subscriber(
+            name=name, model=torch.nn.Linear(4, 2), worker_id=long_id, timeout=30
+        ):
+            pub.publish()
+            shown = {
+                "inspect": _zmqsync("inspect", "--name", name),
+                "top": _zmqsync("top", "--name", name, "--count", "1", "--interval", "0.1"),
+            }
+    for what, done in shown.items():
+        assert done.returncode == 0, done.stderr
+        lines = done.stdout.splitlines()
+        assert max(len(line) for line in lines) <= 80, (what, done.stdout)
+        assert "…" not in done.stdout, (what, done.stdout)
+        # folded onto lines of the id's column, in order: the whole id
+        cells = [line.split("│")[1].strip() for line in lines if line.startswith("│")]
+        assert long_id in "".join(cells), (what, done.stdout)
+
+
+@pytest.mark.timeout(120)
+def test_top_says_the_bus_closed_rather_than_unreachable(name, command):
+    with zmqsync.Publisher(torch.nn.Linear(4, 2), name=name):
+        top = command("top", "--name", name, "--interval", "0.2")
+        top.wait_for("workers 0")
+    top.wait_for("bus closed by its publisher")
+    assert "unreachable" not in top.output
+    _ends_with(top, signal.SIGINT)
+
+
+@pytest.mark.timeout(120)
+def test_tools_trainer_leaves_the_tap_to_zmqsync_tap(name, bus_dirs):
+    runtime, _ = bus_dirs
+    env = dict(os.environ, ZMQSYNC_TAP="1")
+    trainer = subprocess.Popen(
+        [sys.executable, "tools/trainer.py", name, "--updates", "0", "--interval", "0.05"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=ROOT,
+    )
+    try:
+        assert '"started"' in trainer.stdout.readline()
+        done = _zmqsync("inspect", "--name", name, "--json")
+        assert done.returncode == 0, done.stderr
+        assert f'"tap": "ipc://{runtime}/{name}.sock.tap"' in done.stdout, done.stdout
+    finally:
+        trainer.terminate()
+        trainer.communicate(timeout=30)
+    assert trainer.returncode == 0
+
+
+def test_install_hints_name_what_each_extra_installs():
+    import tomllib
+
+    from zmqsync._extras import EXTRAS, install_hint
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    for extra, requirements in EXTRAS.items():
+        assert list(requirements) == extras[extra]
+        hint = install_hint(extra)
+        assert hint.startswith(f"pip install '{requirements[0]}'")
+        assert f"'zmqsync[{extra}]'" not in hint  # what fails outside a checkout
+        assert f"'.[{extra}]'" in hint
+
+
+def test_member_log_grades_what_the_operator_must_see():
+    from types import SimpleNamespace
+
+    from zmqsync._member_log import Refusals, departure, rejoin_note
+
+    assert departure(SimpleNamespace(acked=3)) == (logging.INFO, "")
+    assert departure(SimpleNamespace(acked=-1)) == (logging.WARNING, " without applying a version")
+    refusals = Refusals()
+    assert refusals.level("w1", "bus full") == logging.WARNING
+    assert refusals.level("w1", "bus full") == logging.DEBUG  # its retries
+    assert refusals.level("w2", "bus full") == logging.WARNING
+    assert refusals.level("w1", "bus full") == logging.WARNING
+    old = SimpleNamespace(session="s1", transport="cpu")
+    assert rejoin_note("cpu", "s1", None) == ""
+    assert rejoin_note("cpu", "s2", old) == " replacing a silent session"
+    assert rejoin_note("cpu", "s1", old) == " again"
+    assert rejoin_note("cuda", "s1", old) == " again, now for cuda"

@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=10.0)
     p.add_argument("--heartbeat", type=float, default=0.5)
     p.add_argument("--on-timeout", choices=("raise", "evict"), default="evict")
-    p.add_argument("--tap", action="store_true")
+    p.add_argument("--tap", action="store_true", help="open the tap (default: $ZMQSYNC_TAP)")
     p.add_argument("--wait-workers", type=int, default=0)
     args = p.parse_args(argv)
 
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         timeout=args.timeout,
         on_timeout=args.on_timeout,
         heartbeat=args.heartbeat,
-        security=zmqsync.Security(tap=args.tap),
+        security=zmqsync.Security(tap=True if args.tap else None),  # None: $ZMQSYNC_TAP decides
     )
     with pub:
         print(

@@ -15,7 +15,14 @@ from ._histogram import PUBLISH, quantile, read
 from ._registry import lag
 from ._text import printable
 
-__all__ = ["lag_of", "print_relays", "print_state"]
+__all__ = ["add_id_column", "lag_of", "print_relays", "print_state"]
+
+
+def add_id_column(table: Any, header: str) -> None:
+    """Add a column of ids (worker or relay ids) to a rich `table`: on a terminal too
+    narrow for the whole table an id is folded onto more lines, never cut
+    ("collector-gp…"), and no column is cropped for it."""
+    table.add_column(header, overflow="fold")
 
 
 def lag_of(state: Any, acked: int) -> int | None:
@@ -47,9 +54,10 @@ def print_relays(tree: Mapping[str, Any]) -> None:
         )
     )
     relays = Table(title=f"relays ({len(tree['relays'])})")
-    columns = ("relay", "host", "pid", "state", "rank", "gen", "version", "acked", "workers")
+    add_id_column(relays, "relay")
+    columns = ("host", "pid", "state", "rank", "gen", "version", "acked", "workers")
     for col in (*columns, "last seen"):
-        relays.add_column(col)
+        relays.add_column(col, overflow="fold")
     for r in tree["relays"]:
         relays.add_row(
             cell(r["relay_id"]),
@@ -69,8 +77,9 @@ def print_relays(tree: Mapping[str, Any]) -> None:
             continue
         title = Text(f"workers of relay {printable(r['relay_id'])} ({len(r['workers'])})")
         table = Table(title=title)
-        for col in ("worker", "pid", "host", "mode", "version", "last seen"):
-            table.add_column(col)
+        add_id_column(table, "worker")
+        for col in ("pid", "host", "mode", "version", "last seen"):
+            table.add_column(col, overflow="fold")
         for w in r["workers"]:
             table.add_row(
                 cell(w["worker_id"]),
@@ -120,20 +129,21 @@ def print_state(state: Any, warning: str | None = None) -> None:
         )
     console.print(manifest)
     workers = Table(title=f"workers ({len(state.workers)})")
-    for col in ("worker", "pid", "host", "mode", "transport", "version", "lag", "last seen"):
-        workers.add_column(col)
+    add_id_column(workers, "worker")
+    for col in ("host/pid", "mode", "transport", "version", "lag", "heard"):
+        justify = "right" if col in ("version", "lag", "heard") else "left"
+        workers.add_column(col, justify=justify, overflow="fold")  # type: ignore[arg-type]
     for w in state.workers:
         lag = lag_of(state, w.version)
         workers.add_row(
             cell(w.worker_id),
-            str(w.pid),
-            cell(w.host),
+            cell(f"{w.host}/{w.pid}"),
             cell(w.mode),
             # why a worker reads the CPU copy of CUDA weights, when it does
             cell(f"{w.transport} ({w.transport_note})" if w.transport_note else w.transport),
             str(w.version),
             "-" if lag is None else str(lag),
-            f"{w.last_seen:.2f} s ago",
+            f"{w.last_seen:.1f} s ago",
         )
     console.print(workers)
     shown = {k: v for k, v in state.counters.items() if not k.startswith(PUBLISH.name + "_us_")}

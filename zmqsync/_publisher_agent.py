@@ -34,6 +34,7 @@ from ._connections import Gate
 from ._deadline import Deadline
 from ._errors import ProtocolError, ZmqSyncError
 from ._fast_frames import ack_pattern, read_ack
+from ._member_log import Refusals, departure, rejoin_note
 from ._native_lib import libzmq_path, zmq_error
 from ._protocol import (
     BufferInfo,
@@ -135,7 +136,7 @@ class Agent:
         self._orphaned = False  # stop() was called on this thread (see stop)
         self._unread = False  # the last drain of the acks socket left frames there
         self._stops: list[tuple[Stop, str]] = []  # to send once the registry lock is free
-        self._refused: tuple[str, str] = ("", "")  # the last refusal logged (see _on_request)
+        self._refusals = Refusals()  # a warning once per worker and reason
 
     def start(self) -> None:
         self._thread.start()
@@ -583,13 +584,10 @@ class Agent:
                 raise ProtocolError(f"{msg.TYPE} is not a request")
         except ProtocolError as exc:
             self._count("rejected")
-            if isinstance(msg, Hello):  # once per worker and reason: refusals are retried
-                refusal = (peer, str(exc))
-                level = logging.DEBUG if refusal == self._refused else logging.WARNING
-                self._refused = refusal
-                log.log(level, "worker %s refused: %s", printable(peer), printable(exc))
-            else:
-                log.debug("rejected request: %s", printable(exc))
+            hello = isinstance(msg, Hello)  # a worker the operator waits for: a warning
+            level = self._refusals.level(peer, str(exc)) if hello else logging.DEBUG
+            log.log(level, "%s%s refused: %s", "worker " * hello, printable(peer or "request"),
+                    printable(exc))  # fmt: skip
             if not peer:
                 self._mirror("in", "", frames[0][:4096] if frames else b"")
             reply = Error(self.role.bus_id, str(exc)[:1024])
@@ -628,24 +626,11 @@ class Agent:
                 shared.fill_mirror(welcome.slot)
         self.gate.welcomed(peer)
         self._member_peers[hello.worker_id] = peer
-        if old is None:
-            again = ""
-        elif old.session != hello.session:
-            again = " replacing a silent session"
-        else:  # the same process: re-joined, or asked for another transport
-            again = " again"
-            if old.transport != hello.transport:
-                again += f", now for {hello.transport}"
         if old is not None:  # whoever still holds the old session learns it is over
             self.send_event(role.stop_for(old.session, "replaced"), old.worker_id)
-        log.info(
-            "worker %s joined (pid %d, %s, %s)%s",
-            hello.worker_id,
-            hello.pid,
-            printable(hello.host),
-            hello.mode,
-            again,
-        )
+        again = rejoin_note(hello.transport, hello.session, old)
+        log.info("worker %s joined (pid %d, %s, %s)%s", hello.worker_id, hello.pid,
+                 printable(hello.host), hello.mode, again)  # fmt: skip
         if role.cuda:
             note = hello.transport_note
             log.info(
@@ -730,15 +715,11 @@ class Agent:
     def _on_worker_message(self, msg: Message, now: float) -> bool:
         """Apply one worker message (caller holds `cond`); True if waiters should look.
         A STOP for a dropped session still beating is sent by `_send_stops`, after."""
-        leaving = None
-        if isinstance(msg, Bye):
-            leaving = self.role.registry.find(msg.worker_id, msg.session)
+        left = self.role.registry.find(msg.worker_id, msg.session) if type(msg) is Bye else None
         changed = self.role.on_worker_message(msg, now)
-        if changed and leaving is not None:
-            if leaving.acked < 0:  # a model of another layout, or it failed otherwise
-                log.warning("worker %s left without applying a version", leaving.worker_id)
-            else:
-                log.info("worker %s left", leaving.worker_id)
+        if changed and left is not None:  # a warning if it never applied a version
+            level, note = departure(left)
+            log.log(level, "worker %s left%s", left.worker_id, note)
         elif isinstance(msg, Heartbeat) and msg.worker_id:
             stop = self.role.gone(msg.worker_id, msg.session, now)
             if stop is not None:
@@ -766,10 +747,9 @@ class Agent:
         for peer in set(self._member_peers.values()):  # members while on the bus
             self.gate.welcomed(peer)
         for member in lost:
-            level = logging.INFO if member.acked >= 0 else logging.WARNING
-            never = "" if member.acked >= 0 else " before applying any version"
+            level, note = departure(member)  # a warning if it never applied a version
             log.log(level, "worker %s silent for %.1f s%s: dropped", member.worker_id,
-                    role.silent_after, never)  # fmt: skip
+                    role.silent_after, note)  # fmt: skip
             self.send_event(role.stop_for(member.session, "silent too long"), member.worker_id)
 
     def _drain_subscriptions(self, sock: zmq.Socket[bytes], endpoint: str) -> None:

@@ -18,6 +18,7 @@ from rich.text import Text
 
 from ._bus_sample import BusSample
 from ._histogram import PUBLISH, Histogram, quantile, read, since
+from ._inspect_view import add_id_column
 from ._text import printable
 
 __all__ = ["Top"]
@@ -46,15 +47,18 @@ class Top:
     last_at: float = 0.0
     last_hist: Histogram | None = None
     unreachable_since: float | None = None
+    closed: bool = False  # the bus is gone as a closed one goes (its socket file removed)
     frame: tuple[float, Histogram] | None = None  # publishes/s, latencies: the last interval
 
-    def update(self, sample: BusSample | None, now: float) -> None:
-        """Take a new sample (None: the publisher did not answer)."""
+    def update(self, sample: BusSample | None, now: float, closed: bool = False) -> None:
+        """Take a new sample (None: the publisher did not answer; `closed`: because it
+        closed the bus, as a trainer that ends does, rather than died or hangs)."""
         if sample is None:
             if self.unreachable_since is None:
                 self.unreachable_since = now
+            self.closed = closed
             return
-        self.unreachable_since = None
+        self.unreachable_since, self.closed = None, False
         hist = read(sample.counters, PUBLISH)
         last = self.last
         if last is not None and last.bus_id == sample.bus_id and now > self.last_at:
@@ -75,7 +79,13 @@ class Top:
         head.append(f"  {printable(s.bus_id)}  pid {s.pid}  {printable(self.target)}\n")
         if self.unreachable_since is not None:
             gone = now - self.unreachable_since
-            head.append(f"publisher unreachable for {gone:.0f} s\n", style="bold red")
+            if self.closed:
+                head.append(
+                    f"bus closed by its publisher {gone:.0f} s ago; waiting for a new one\n",
+                    style="bold",
+                )
+            else:
+                head.append(f"publisher unreachable for {gone:.0f} s\n", style="bold red")
         head.append(f"version {s.version}  workers {len(s.workers)}  ")
         if self.frame is not None:
             rate, hist = self.frame
@@ -99,9 +109,10 @@ class Top:
     @staticmethod
     def _workers(s: BusSample) -> Table:
         table = Table(title=None, expand=False)
-        for column in ("worker", "version", "lag", "mode", "transport", "host/pid", "heard"):
+        add_id_column(table, "worker")
+        for column in ("version", "lag", "mode", "transport", "host/pid", "heard"):
             justify = "right" if column in ("version", "lag", "heard") else "left"
-            table.add_column(column, justify=justify)  # type: ignore[arg-type]
+            table.add_column(column, justify=justify, overflow="fold")  # type: ignore[arg-type]
         for w in sorted(s.workers, key=lambda w: (-(w.lag or 0), w.worker_id)):
             table.add_row(
                 Text(printable(w.worker_id)),

@@ -29,18 +29,33 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 from collections.abc import Sequence
+from typing import Any
 
-from ._cli import LINE_LIMIT, bench, demo, gc, inspect, metrics, relay, signals, sniff, top, worker
+from ._cli import (
+    LINE_LIMIT,
+    bench,
+    buses,
+    demo,
+    gc,
+    inspect,
+    metrics,
+    relay,
+    signals,
+    sniff,
+    top,
+    worker,
+)
 from ._errors import ZmqSyncError
 from ._text import printable
 
 __all__ = ["main"]
 
 # In the order of `zmqsync --help`.
-COMMANDS = (demo, worker, inspect, sniff, top, metrics, bench, relay, gc)
+COMMANDS = (demo, worker, buses, inspect, sniff, top, metrics, bench, relay, gc)
 
 _DESCRIPTION = """\
 Move PyTorch weights from a trainer to worker processes on this host (shared memory +
@@ -49,6 +64,7 @@ _EPILOG = """\
 examples:
   zmqsync demo                          a trainer and 4 verifying workers, then a summary
   zmqsync worker --name policy --verify join the bus 'policy' and check every version
+  zmqsync buses                         the buses on this host: pid, version, workers
   zmqsync inspect --name policy         manifest, buffers, workers and counters of a bus
   zmqsync sniff --name policy           every message on the bus, as it happens
   zmqsync top --name policy             workers, lag, publish rate and latency, live
@@ -62,12 +78,41 @@ success, 1 with a one-line reason on failure, 2 for a usage error, 130 after Ctr
 docs/metrics.md."""
 
 
+def version_line() -> str:
+    """What ``zmqsync --version`` prints: this package, where it is installed, and the
+    Python and ZeroMQ it runs with (the versions a bug report needs)."""
+    import platform
+
+    import zmq
+
+    from . import __version__
+
+    return (
+        f"zmqsync {__version__} ({os.path.dirname(os.path.abspath(__file__))}; Python "
+        f"{platform.python_version()}, pyzmq {zmq.__version__}, libzmq {zmq.zmq_version()})"
+    )
+
+
+class _Version(argparse.Action):
+    """``--version``: computed when asked, so ``zmqsync --help`` imports no zmq."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, help=kwargs.get("help"))
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any) -> None:
+        print(version_line())
+        parser.exit()
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="zmqsync",
         description=_DESCRIPTION,
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--version", action=_Version, help="the version of zmqsync (and Python, ZeroMQ); exit"
     )
     parser.add_argument(
         "--log-level",

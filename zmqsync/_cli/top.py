@@ -12,11 +12,12 @@ last (for logs, and ``--count`` in scripts).
 from __future__ import annotations
 
 import argparse
+import os
 import threading
 import time
 
 from .args import add_target, bus_address, positive
-from .buses import ask, inspect_bus
+from .buses import ask, inspect_bus, socket_path
 from .sniff import _signals_set
 
 __all__ = ["DESCRIPTION", "HELP", "NAME", "add_arguments", "run"]
@@ -65,7 +66,9 @@ def run(args: argparse.Namespace) -> int:
             sample = from_state(inspect_bus(address, args.timeout, args.name))
         except ZmqSyncError:
             sample = None
-        top.update(sample, time.monotonic())
+        # a publisher that closed the bus removed its socket file; a dead one left it
+        path = socket_path(address)
+        top.update(sample, time.monotonic(), closed=path is not None and not os.path.exists(path))
 
     with _signals_set(stop):
         if console.is_terminal:
