@@ -149,6 +149,9 @@ RULES = {
 ONLY_IMPORTED_BY = {
     "prometheus_client": ("zmqsync.metrics", "zmqsync._cli.metrics"),
     "zmqsync.metrics": ("zmqsync._cli.metrics",),
+    # the test helpers are the users' (a pytest plugin): off the library's import path
+    "pytest": ("zmqsync.testing",),
+    "zmqsync.testing": (),
 }
 
 

@@ -438,12 +438,127 @@ def test_member_log_grades_what_the_operator_must_see():
     assert departure(SimpleNamespace(acked=3)) == (logging.INFO, "")
     assert departure(SimpleNamespace(acked=-1)) == (logging.WARNING, " without applying a version")
     refusals = Refusals()
-    assert refusals.level("w1", "bus full") == logging.WARNING
-    assert refusals.level("w1", "bus full") == logging.DEBUG  # its retries
-    assert refusals.level("w2", "bus full") == logging.WARNING
-    assert refusals.level("w1", "bus full") == logging.WARNING
+    assert refusals.level("w1", "bus full", False) == logging.WARNING
+    assert refusals.level("w1", "bus full", False) == logging.DEBUG  # its retries
+    assert refusals.level("w2", "bus full", False) == logging.WARNING
+    assert refusals.level("w1", "bus full", False) == logging.WARNING
+    assert refusals.level("w3", "the publisher is closing", True) == logging.DEBUG
+    assert refusals.level("inspector", "INSPECT is not a request", False, False) == logging.DEBUG
     old = SimpleNamespace(session="s1", transport="cpu")
     assert rejoin_note("cpu", "s1", None) == ""
     assert rejoin_note("cpu", "s2", old) == " replacing a silent session"
     assert rejoin_note("cpu", "s1", old) == " again"
     assert rejoin_note("cuda", "s1", old) == " again, now for cuda"
+
+
+# --- zmqsync.testing ---------------------------------------------------------------------
+
+
+def _guide_files() -> dict[str, str]:
+    """The two files of docs/guide.md's "Testing your own trainer and workers", as written."""
+    import re
+
+    guide = (ROOT / "docs" / "guide.md").read_text()
+    section = guide.split("## Testing your own trainer and workers", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```python\n(# (\S+)\n.*?)```", section, flags=re.S)
+    return {filename: code for code, filename in blocks}
+
+
+def _pytest(directory, *args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    """pytest in `directory`, as a user runs it: none of this suite's settings or dirs."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ZMQSYNC_")}
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=directory,
+    )
+
+
+@pytest.mark.timeout(300)
+def test_the_guides_example_test_runs_as_written(tmp_path):
+    files = _guide_files()
+    assert sorted(files) == ["conftest.py", "test_policy_sync.py"]
+    for filename, code in files.items():
+        (tmp_path / filename).write_text(code)
+    done = _pytest(tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "1 passed" in done.stdout
+
+
+FAILING = """
+import json, os, sys, time
+
+def test_fails_with_a_worker_running(zmqsync_bus):
+    worker = zmqsync_bus.spawn(sys.executable, "-c", WORKER, zmqsync_bus.name)
+    # a second process, which SIGTERM ends
+    child = zmqsync_bus.spawn(sys.executable, "-c", "import time; time.sleep(600)")
+    pub = zmqsync_bus.publisher({"w": torch.zeros(4)})
+    assert pub.wait_for_workers(1, timeout=60)
+    with open(os.environ["RECORD"], "w") as f:
+        json.dump({"pids": [worker.pid, child.pid], "runtime": zmqsync_bus.runtime_dir,
+                   "shm": zmqsync_bus.shm_dir}, f)
+    assert False, "the test fails with everything still running"
+"""
+
+WORKER_IGNORING_SIGTERM = """
+import signal, sys, time, torch, zmqsync
+signal.signal(signal.SIGTERM, signal.SIG_IGN)  # only SIGKILL ends it
+sub = zmqsync.Subscriber(name=sys.argv[1], model={"w": torch.zeros(4)}, timeout=60).start()
+while True:
+    time.sleep(1)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.timeout(300)
+def test_the_fixture_ends_processes_and_removes_files_when_a_test_fails(tmp_path, monkeypatch):
+    import json
+
+    (tmp_path / "conftest.py").write_text('pytest_plugins = ["zmqsync.testing"]\n')
+    source = f"import torch\nWORKER = {WORKER_IGNORING_SIGTERM!r}\n{FAILING}"
+    (tmp_path / "test_failing.py").write_text(source)
+    record = tmp_path / "record.json"
+    monkeypatch.setenv("RECORD", str(record))
+    done = _pytest(tmp_path, timeout=240)
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "1 failed" in done.stdout and "the test fails with everything" in done.stdout
+    seen = json.loads(record.read_text())
+    assert not [pid for pid in seen["pids"] if _alive(pid)]  # SIGKILLed after the grace
+    assert not os.path.exists(seen["runtime"]) and not os.path.exists(seen["shm"])
+
+
+@pytest.mark.timeout(120)
+def test_private_bus_outside_pytest_restores_the_environment_and_keeps_leftovers(bus_dirs):
+    from zmqsync.testing import private_bus
+
+    before = os.environ["ZMQSYNC_RUNTIME_DIR"]
+    with private_bus() as bus:
+        assert os.environ["ZMQSYNC_RUNTIME_DIR"] == bus.runtime_dir != before
+        pub = bus.publisher({"w": torch.zeros(4)})
+        assert pub.address == bus.address
+        sub = bus.subscriber(timeout=30)
+        assert sub.version == 0
+        # a file of the bus's that its own code would have left behind
+        (open(os.path.join(bus.shm_dir, "stray"), "w")).close()
+    assert os.environ["ZMQSYNC_RUNTIME_DIR"] == before
+    assert bus.leftovers == [os.path.join(bus.shm_dir, "stray")]  # the closes removed the rest
+    assert not os.path.exists(bus.runtime_dir) and not os.path.exists(bus.shm_dir)
+
+
+def test_import_zmqsync_loads_neither_the_test_helpers_nor_pytest():
+    code = (
+        "import sys, zmqsync, zmqsync.cli; zmqsync.Publisher; zmqsync.cli._parser(); "
+        "assert 'zmqsync.testing' not in sys.modules and 'pytest' not in sys.modules"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr

@@ -37,12 +37,17 @@ def departure(member: Any) -> tuple[int, str]:
 
 class Refusals:
     """Grades refusals of HELLOs: a warning once per worker and reason (a worker retries
-    a busy or full bus every few tens of milliseconds), DEBUG while it repeats."""
+    a busy or full bus every few tens of milliseconds), DEBUG while it repeats, and
+    DEBUG while the publisher closes (its workers' re-joins are refused then, as due)."""
 
     def __init__(self) -> None:
         self._last = ("", "")
 
-    def level(self, worker_id: str, reason: str) -> int:
+    def level(self, worker_id: str, reason: str, closing: bool, hello: bool = True) -> int:
+        """The level of "`worker_id` refused: `reason`" (`hello`: a worker's HELLO, not
+        an inspector's request, which is DEBUG)."""
+        if not hello:
+            return logging.DEBUG
         refusal = (worker_id, reason)
         repeated, self._last = refusal == self._last, refusal
-        return logging.DEBUG if repeated else logging.WARNING
+        return logging.DEBUG if repeated or closing else logging.WARNING

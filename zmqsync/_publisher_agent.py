@@ -585,7 +585,7 @@ class Agent:
         except ProtocolError as exc:
             self._count("rejected")
             hello = isinstance(msg, Hello)  # a worker the operator waits for: a warning
-            level = self._refusals.level(peer, str(exc)) if hello else logging.DEBUG
+            level = self._refusals.level(peer, str(exc), self.role.closing, hello)
             log.log(level, "%s%s refused: %s", "worker " * hello, printable(peer or "request"),
                     printable(exc))  # fmt: skip
             if not peer:
