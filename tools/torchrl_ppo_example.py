@@ -8,7 +8,8 @@ worker processes collect from a tiny env (move a point on a line to a target); t
 trainer runs PPO on each batch and publishes the new policy with
 ``collector.update_policy_weights_()``. Each row shows which policy versions produced the
 batch (``("next", "policy_version")``, written by the workers), the mean reward, and how
-long the weight update took. Needs ``pip install 'zmqsync[torchrl]'``.
+long the weight update took. Needs torchrl: ``pip install 'torchrl>=0.14'`` (or the
+extra by path, ``pip install '.[torchrl]'`` in a checkout).
 """
 
 from __future__ import annotations
