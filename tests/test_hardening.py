@@ -26,6 +26,7 @@ import zmq
 
 import zmqsync
 from zmqsync._buffers.header import Header
+from zmqsync._config import RESERVE_MIN_S
 from zmqsync._deadline import Deadline
 from zmqsync._protocol import (
     Ack,
@@ -326,6 +327,8 @@ def test_default_max_workers_fit_under_the_default_fd_limits(ctx, spawn, name):
         "10",
         "--handshake-rate",
         "100000",
+        "--max-workers-per-peer",
+        "1024",  # every worker below is this one process: one peer
     )
     address = started["address"]
     assert started["nofile"][0] > 2 * 1024, "the soft fd limit was not raised at start"
@@ -532,7 +535,7 @@ def test_a_rejoin_proven_by_its_session_displaces_the_old_one_and_protects_its_s
         events.close()
 
 
-def test_a_silent_sessions_id_may_be_taken_and_the_old_session_is_told(ctx, name):
+def test_a_silent_sessions_id_may_be_taken_after_its_reserve_and_the_old_session_is_told(ctx, name):
     with zmqsync.Publisher({"w": torch.zeros(4)}, name=name, heartbeat=0.05) as pub:
         events = _events(ctx, pub.address + ".events")
         first = request(
@@ -547,11 +550,17 @@ def test_a_silent_sessions_id_may_be_taken_and_the_old_session_is_told(ctx, name
             assert time.monotonic() < end
             time.sleep(0.01)
         acks.close()
-        time.sleep(0.4)  # longer than 6 heartbeats of silence: its process is gone
-        second = request(
-            ctx, pub.address, Hello("", "q", 2, "h", "copy", "cpu"), deadline=Deadline(5)
-        )
-        assert isinstance(second, Welcome)
+        silent = time.monotonic()  # 6 heartbeats of silence: dropped, its id kept for it
+        while not isinstance(
+            second := request(
+                ctx, pub.address, Hello("", "q", 2, "h", "copy", "cpu"), deadline=Deadline(5)
+            ),
+            Welcome,
+        ):
+            assert second.reason.startswith("busy: worker id 'q' is"), second
+            assert time.monotonic() - silent < 15, "never let in"
+            time.sleep(0.1)
+        assert time.monotonic() - silent >= RESERVE_MIN_S, "let in while its id was kept"
         assert any(s.session == first.session for s in _stops(events, 1.0))
         events.close()
 

@@ -15,6 +15,15 @@ bounded in processes and time, each printing one JSON line per run:
         one that starts while CPU burners run: how many are in and acking, and when; the
         publisher's counters; seconds after the burners stop until every worker acks a
         new version.
+    python tools/admission_figures.py fenced --pause evicted --runs 3 [--burners 2]
+        a worker paused (SIGSTOP) until a publish's deadline evicts it (1.6 s) or until
+        it is dropped as silent (3.6 s), undisturbed and during a HELLO storm for its id:
+        seconds from SIGCONT until it acks a new version, and whether any other process
+        held its id meanwhile.
+    python tools/admission_figures.py member-storm --seconds 10
+        the publisher's CPU (cores) idle, during a handshaking storm from a process that
+        is no worker, and from one that joined as a worker first: connections made and
+        refused.
 """
 
 from __future__ import annotations
@@ -310,6 +319,121 @@ def saturated(args: argparse.Namespace) -> dict[str, object]:
     }
 
 
+# --- fenced ------------------------------------------------------------------------------
+
+HELLO_STORM = str(ROOT / "tools" / "hello_storm.py")
+CONNECT_STORM = str(ROOT / "tools" / "connect_storm.py")
+
+
+def _paused_once(pub: zmqsync.Publisher, victim: subprocess.Popen[str], pause: str) -> dict:
+    victim.send_signal(signal.SIGSTOP)
+    time.sleep(0.2)  # every thread stopped (a thread on a CPU runs a little longer)
+    t0, others = time.monotonic(), set()
+    if pause == "evicted":
+        pub.publish(timeout=1.0)
+    while time.monotonic() - t0 < (1.6 if pause == "evicted" else 3.6):
+        holder = pub.workers.get("victim")
+        if holder is not None and holder.pid != victim.pid:
+            others.add(holder.pid)
+        time.sleep(0.02)
+    victim.send_signal(signal.SIGCONT)
+    resumed = time.monotonic()
+    version = pub.publish(wait=False).version
+    back = _wait(
+        lambda: _acked(pub, "victim", version) and pub.workers["victim"].pid == victim.pid, 60
+    )
+    return {
+        "back_s": None if back is None else round(time.monotonic() - resumed, 3),
+        "held_by_others": len(others),
+        "alive": victim.poll() is None,
+    }
+
+
+def fenced(args: argparse.Namespace) -> dict[str, object]:
+    name, procs, out = "figfenced", _Procs(), {}
+    try:
+        procs.burners(args.burners, MAX_SECONDS)
+        with zmqsync.Publisher(
+            {"w": torch.zeros(64)}, name=name, on_timeout="evict", timeout=10.0
+        ) as pub:
+            victim = procs.start("-m", "zmqsync", "worker", "--name", name, "--worker-id", "victim")
+            _wait(lambda: _acked(pub, "victim", 0), 60)
+            for scene in ("undisturbed", "storm"):
+                storm = None
+                if scene == "storm":
+                    storm = procs.start(
+                        HELLO_STORM, "--name", name, "--worker-id", "victim", "--seconds", "120"
+                    )
+                    _wait(lambda: pub.counters.get("refused_ids", 0) > 1000, 30)
+                runs = [_paused_once(pub, victim, args.pause) for _ in range(args.runs)]
+                out[scene] = runs
+                if storm is not None:
+                    procs.kill([storm])
+            out["counters"] = {
+                k: pub.counters.get(k, 0) for k in ("refused_ids", "evictions", "lost")
+            }
+    finally:
+        procs.kill()
+    return {"figure": "fenced", "pause": args.pause, "burners": args.burners, **out}
+
+
+def member_storm(args: argparse.Namespace) -> dict[str, object]:
+    procs, out = _Procs(), {}
+    try:
+        victim = procs.start(
+            "tests/helpers/victim.py", "figmember", "--data-mb", "64", "--interval", "0.1", out=True
+        )
+        started = json.loads(victim.stdout.readline())  # type: ignore[union-attr]
+        address = started["address"]
+        state = _inspect(address)
+        for scene, extra in (("idle", None), ("stranger", []), ("member", ["--join", address])):
+            storm = None
+            if extra is not None:
+                storm = procs.start(
+                    CONNECT_STORM,
+                    state.events,
+                    "--mode",
+                    "zmtp",
+                    "--seconds",
+                    str(args.seconds),
+                    *extra,
+                    out=True,
+                )
+                time.sleep(0.5)
+            before = _inspect(address).counters.get("refused_connections", 0)
+            ticks, t0 = _cpu_ticks(victim.pid), time.monotonic()
+            if storm is None:
+                time.sleep(args.seconds)
+                made = 0
+            else:
+                made = json.loads(storm.stdout.readline().strip() or "{}").get("connections", 0)  # type: ignore[union-attr]
+                while storm.poll() is None and made == 0:
+                    made = json.loads(storm.stdout.readline() or "{}").get("connections", 0)  # type: ignore[union-attr]
+            cores = (
+                (_cpu_ticks(victim.pid) - ticks)
+                / os.sysconf("SC_CLK_TCK")
+                / (time.monotonic() - t0)
+            )
+            refused = _inspect(address).counters.get("refused_connections", 0) - before
+            out[scene] = {"cores": round(cores, 2), "connections": made, "refused": refused}
+        victim.send_signal(signal.SIGTERM)
+        victim.wait(30)
+    finally:
+        procs.kill()
+    return {"figure": "member-storm", "seconds": args.seconds, **out}
+
+
+def _inspect(address: str):  # noqa: ANN202 - a State
+    import zmq
+
+    from zmqsync._deadline import Deadline
+    from zmqsync._protocol import Inspect
+    from zmqsync._sockets import request
+
+    with zmq.Context() as ctx:
+        return request(ctx, address, Inspect(""), deadline=Deadline(10))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="figure", required=True)
@@ -330,6 +454,12 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--tensors", type=int, default=2000)
     t.add_argument("--heartbeat", type=float, default=0.5)
     t.add_argument("--hot", type=float, default=40.0, help="seconds the burners run")
+    f = sub.add_parser("fenced")
+    f.add_argument("--pause", choices=("evicted", "silent"), default="evicted")
+    f.add_argument("--runs", type=int, default=3)
+    f.add_argument("--burners", type=int, default=0)
+    m = sub.add_parser("member-storm")
+    m.add_argument("--seconds", type=float, default=10.0)
     args = p.parse_args(argv)
     for key in ("burners", "workers"):
         if getattr(args, key, 0) > MAX_PROCESSES // 2:
@@ -339,7 +469,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.figure == "busy-worker":
         busy_worker(args)
         return 0
-    run = {"storm": storm, "resume": resume, "saturated": saturated}[args.figure]
+    run = {
+        "storm": storm,
+        "resume": resume,
+        "saturated": saturated,
+        "fenced": fenced,
+        "member-storm": member_storm,
+    }[args.figure]
     with _private_dirs():
         print(json.dumps(run(args)), flush=True)
     return 0

@@ -9,10 +9,11 @@ comes back. The rules, in the order a worker meets them:
   ``busy:`` unless the HELLO proves it is that process, or ``taken:`` if it comes from a
   process that held the id before (see `Registry.claim`); a new worker id beyond
   `max_workers`, beyond `max_workers_per_peer` from one peer, or beyond what the
-  connection budget allows, gets ``bus full``. Only then is a handshake token spent: beyond `handshake_rate` per second the
-  HELLO gets ``busy:`` (retried by real subscribers) and its id a place in line (see
-  `HandshakeQueue`). Refusals that cost nothing more than their answer come first, so
-  a flood of them never spends the budget honest workers need.
+  connection budget allows, gets ``bus full``. Only then is a handshake token spent:
+  beyond `handshake_rate` per second the HELLO gets ``busy:`` (retried by real
+  subscribers) and its id a place in line (see `HandshakeQueue`). Refusals that cost
+  nothing more than their answer come first, so a flood of them never spends the budget
+  honest workers need.
 * **Welcome** (`welcome`): a new session, the member registered at the latest version,
   a WELCOME naming the endpoints, buffers and manifest; the session it replaces (if
   any) is told STOP, under the next event seq.

@@ -39,6 +39,7 @@ def main() -> int:
     p.add_argument("--timeout", type=float, default=5.0)
     p.add_argument("--heartbeat", type=float, default=0.5)
     p.add_argument("--max-workers", type=int, default=1024)
+    p.add_argument("--max-workers-per-peer", type=int, default=None)
     p.add_argument("--handshake-rate", type=float, default=200.0)
     p.add_argument("--tap", action="store_true")
     p.add_argument("--curve", action="store_true", help="curve=True (keys in the runtime dir)")
@@ -67,6 +68,7 @@ def main() -> int:
             insecure=True,
             tap=args.tap,
             max_workers=args.max_workers,
+            max_workers_per_peer=args.max_workers_per_peer,
             handshake_rate=args.handshake_rate,
         ),
     )
