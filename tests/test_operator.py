@@ -105,6 +105,23 @@ def test_sigint_during_a_publish_leaves_nothing_and_stops_a_busy_worker_at_once(
     worker.kill()
 
 
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("pause", [0.1, 0.3])
+def test_a_second_sigint_during_the_close_leaves_nothing_either(name, spawn, bus_dirs, pause):
+    runtime, shm = bus_dirs
+    worker = spawn("tests/helpers/shaped_worker.py", name, "16", "0.5", module="")
+    trainer = spawn("tests/helpers/loop_trainer.py", name, module="")
+    trainer.wait_for(lambda r: r["event"] == "ready", timeout=90)
+    trainer.wait_for(lambda r: r["event"] == "publishing" and r["version"] >= 2, timeout=30)
+    trainer.proc.send_signal(signal.SIGINT)
+    time.sleep(pause)  # the second Ctrl-C of an impatient operator, while the close runs
+    trainer.proc.send_signal(signal.SIGINT)
+    assert trainer.finish(timeout=30) != 0
+    assert os.listdir(runtime) == []
+    assert os.listdir(shm) == []
+    worker.wait_for(lambda r: r["event"] == "stopped", timeout=30)
+
+
 @pytest.mark.timeout(60)
 def test_a_worker_started_before_its_trainer_says_it_waits(name, caplog):
     caplog.set_level(logging.INFO, logger="zmqsync")
@@ -562,3 +579,18 @@ def test_import_zmqsync_loads_neither_the_test_helpers_nor_pytest():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
+
+
+def test_buses_and_version_import_no_torch(bus_dirs):
+    code = (
+        "import sys, zmqsync.cli\n"
+        "assert zmqsync.cli.main(['buses']) == 0\n"
+        "try:\n"
+        "    zmqsync.cli.main(['--version'])\n"
+        "except SystemExit as exc:\n"
+        "    assert exc.code == 0\n"
+        "assert 'torch' not in sys.modules, 'torch loaded'\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("no buses in ") and "zmqsync " in done.stdout

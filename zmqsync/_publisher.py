@@ -384,7 +384,14 @@ class Publisher:
             self._segment.header.mark_closed()
         if self._agent is not None:
             self._agent.command(b"stop")
-        self._resources.close()
+        try:
+            self._resources.close()
+        except BaseException:
+            # cut short (a second Ctrl-C while the agent thread ends): the agent removes
+            # its socket files on its way out, but the process may end before it does
+            if self._agent is not None:
+                self._agent.remove_socket_files()
+            raise
         log.info("publisher %r closed at version %d", self.name, self._registry.latest)
 
     def __enter__(self) -> Publisher:
