@@ -377,43 +377,42 @@ def fenced(args: argparse.Namespace) -> dict[str, object]:
     return {"figure": "fenced", "pause": args.pause, "burners": args.burners, **out}
 
 
+def _record(proc: subprocess.Popen[str], key: str) -> dict:
+    """The first JSON line `proc` prints that has `key` ({} if it exits first)."""
+    for line in proc.stdout:  # type: ignore[union-attr]
+        if line.startswith("{") and key in (record := json.loads(line)):
+            return record
+    return {}
+
+
 def member_storm(args: argparse.Namespace) -> dict[str, object]:
     procs, out = _Procs(), {}
     try:
         victim = procs.start(
-            "tests/helpers/victim.py", "figmember", "--data-mb", "64", "--interval", "0.1", out=True
+            "tests/helpers/victim.py",
+            "figmember",
+            "--data-mb",
+            "1024",
+            "--interval",
+            "0.1",
+            out=True,
         )
-        started = json.loads(victim.stdout.readline())  # type: ignore[union-attr]
-        address = started["address"]
-        state = _inspect(address)
+        address = _record(victim, "address")["address"]
+        events = _inspect(address).events
         for scene, extra in (("idle", None), ("stranger", []), ("member", ["--join", address])):
-            storm = None
-            if extra is not None:
-                storm = procs.start(
-                    CONNECT_STORM,
-                    state.events,
-                    "--mode",
-                    "zmtp",
-                    "--seconds",
-                    str(args.seconds),
-                    *extra,
-                    out=True,
-                )
-                time.sleep(0.5)
             before = _inspect(address).counters.get("refused_connections", 0)
             ticks, t0 = _cpu_ticks(victim.pid), time.monotonic()
-            if storm is None:
+            made = 0
+            if extra is None:
                 time.sleep(args.seconds)
-                made = 0
             else:
-                made = json.loads(storm.stdout.readline().strip() or "{}").get("connections", 0)  # type: ignore[union-attr]
-                while storm.poll() is None and made == 0:
-                    made = json.loads(storm.stdout.readline() or "{}").get("connections", 0)  # type: ignore[union-attr]
-            cores = (
-                (_cpu_ticks(victim.pid) - ticks)
-                / os.sysconf("SC_CLK_TCK")
-                / (time.monotonic() - t0)
-            )
+                seconds = str(args.seconds)
+                storm = procs.start(
+                    CONNECT_STORM, events, "--mode", "zmtp", "--seconds", seconds, *extra, out=True
+                )
+                made = _record(storm, "connections").get("connections", 0)
+            elapsed = time.monotonic() - t0
+            cores = (_cpu_ticks(victim.pid) - ticks) / os.sysconf("SC_CLK_TCK") / elapsed
             refused = _inspect(address).counters.get("refused_connections", 0) - before
             out[scene] = {"cores": round(cores, 2), "connections": made, "refused": refused}
         victim.send_signal(signal.SIGTERM)
