@@ -142,7 +142,9 @@ def test_a_deadline_beside_a_member_that_never_acks_evicts_only_that_member(ctx,
     with zmqsync.Publisher(
         {"w": torch.zeros(64)}, name=name, on_timeout="evict", timeout=0.5
     ) as pub:
-        honest = spawn("worker", "--name", name, "--json", "--worker-id", "honest", "--mode", "alias")
+        honest = spawn(
+            "worker", "--name", name, "--json", "--worker-id", "honest", "--mode", "alias"
+        )
         _applied(honest, 0)
         for i in range(12):
             # a member that never says a word after its WELCOME (its process alive: ours)
@@ -290,4 +292,3 @@ def test_a_worker_whose_process_is_gone_leaves_its_id_free_at_once(name):
         assert "fixed" in pub.workers
         with zmqsync.Subscriber(name=name, worker_id="fixed", timeout=3.0) as sub:
             assert sub.connected and pub.workers["fixed"].pid == os.getpid()
-

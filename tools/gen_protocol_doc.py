@@ -89,10 +89,18 @@ ERROR `busy: worker id … is in use by a live worker …`, unless it proves it 
 that session's process: by its `nonce` (a secret of 32 hex digits the subscriber draws
 once and sends, unchanged, in every HELLO), or by that `session`. The nonce lets a
 process re-join although the WELCOME of an earlier HELLO never reached it (its REQ gave
-up first): the session that HELLO registered is its own. A HELLO whose `nonce` belonged
+up first): the session that HELLO registered is its own. A worker dropped by the
+publisher (a deadline under `on_timeout="evict"`, or silence) that had spoken keeps its
+id for `max(5 s, 6 heartbeats)`: a HELLO for it from any other process meanwhile is
+answered ERROR `busy: worker id … is kept for the process that held it …`; a member that
+never spoke after its WELCOME holds its id against other processes for the first-word
+time only (5 s, plus 0.2 ms per tensor). A HELLO whose `nonce` belonged
 to a process that held the id before, while another process holds it now, is answered
 ERROR `taken: worker id … belongs to another process now …`: final, a subscriber stops
-re-joining and reports it. A subscriber retries "busy" answers until its deadline. When a
+re-joining and reports it. A new worker id from a peer (a process on ipc://, a host on
+tcp://) that already holds `max_workers_per_peer` members, or past `max_workers`, is
+answered ERROR `bus full: …`. A subscriber retries "busy" and "bus full" answers until
+its deadline. When a
 HELLO replaces a member, the new one gets a new `session`, messages carrying the old one
 are ignored, and a STOP for the old session goes out on events (reason `replaced`). If
 the old session belonged to the same process, the slot it may still compute with stays
