@@ -339,7 +339,12 @@ def test_a_segment_gone_before_the_rejoin_maps_it_is_retried(name, bus_dirs, mon
             pub.close()  # the bus goes away; the worker is lost and keeps trying
             armed.set()
             with zmqsync.Publisher({"w": torch.ones(4)}, name=name, heartbeat=HB) as again:
-                assert again.wait_for_workers(1, timeout=20)
+                # on the bus again; a manual worker applies (and counts for
+                # wait_for_workers) only at its next poll
+                end = time.monotonic() + 20
+                while not again.workers and time.monotonic() < end:
+                    time.sleep(0.02)
+                assert again.workers, "the worker re-joined the new bus"
                 again.publish(wait=False)
                 assert sub.wait_for_version(1, timeout=20), "the worker re-joined the new bus"
                 assert vanished, "its first attempt met a vanished segment"
