@@ -55,6 +55,7 @@ __all__ = ["Meant", "Member", "Registry", "WorkerInfo", "lag"]
 Meant = tuple[str, str]
 _DEPARTED_IDS = 10_000  # worker ids whose last processes are remembered (for acked/claim)
 _DEPARTED_PER_ID = 8  # processes remembered per worker id
+_ALIVE_TTL_S = 0.2  # how long an answer of `alive` about a peer is taken as still true
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,6 +155,7 @@ class Registry:
         self.max_per_peer, self._alive = max_per_peer, alive
         self.members: dict[str, Member] = {}
         self.per_peer: Counter[str] = Counter()  # peer -> members it holds
+        self._liveness: dict[str, tuple[float, bool]] = {}  # peer -> (asked at, alive)
         # worker id -> (the member dropped, until when only its process may claim the id)
         self.reserved: dict[str, tuple[Member, float]] = {}
         self.displaced: dict[str, Member] = {}  # session -> replaced member (see above)
@@ -208,11 +210,21 @@ class Registry:
 
     def _gone(self, member: Member, now: float, silent_after: float) -> bool:
         """Whether another process may take `member`'s id now (see `claim`)."""
-        if not self._alive(member.peer):
+        if self._known_dead(member.peer, now):
             return True
         if not member.heard:
             return now - member.last_seen > (self.first_word_s or silent_after)
         return now - member.last_seen > silent_after + self.reserve_s
+
+    def _known_dead(self, peer: str, now: float) -> bool:
+        """`alive`, asked at most once per _ALIVE_TTL_S per peer: a storm of HELLOs for a
+        live worker's id asks about its holder on every one (a /proc read each)."""
+        seen = self._liveness.get(peer)
+        if seen is None or now - seen[0] > _ALIVE_TTL_S or now < seen[0]:
+            if len(self._liveness) >= _DEPARTED_IDS:
+                self._liveness.clear()
+            seen = self._liveness[peer] = (now, self._alive(peer))
+        return not seen[1]
 
     def room_for(self, peer: str) -> bool:
         """Whether `peer` may hold one more member (see `max_per_peer`)."""
