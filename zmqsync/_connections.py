@@ -143,7 +143,7 @@ class Gate:
         control_limit: control connections open at once (a new one closes the oldest).
         fd_limit: the soft descriptor limit (for the warning that names it).
         connect_rate: connections a second one peer may make to the events or tap
-            socket, counted at the handshake (members are exempt).
+            socket, counted at the handshake (members have their own, larger one).
         headroom: connections members may have past `limit`.
     """
 

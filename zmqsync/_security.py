@@ -237,8 +237,8 @@ class Security:
             Raise it to max_workers when one peer holds most workers by design (every
             worker over loopback tcp, or in containers of another pid namespace).
         handshake_rate: HELLOs, and new connections to the events and tap sockets, per
-            second *per peer* (a storm is refused and counted; welcomed workers are
-            exempt).
+            second *per peer* (a storm is refused and counted; a welcomed worker's peer
+            has four times that of its own).
     """
 
     curve: CurveServer | bool | None = None
