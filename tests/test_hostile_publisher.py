@@ -66,7 +66,7 @@ import zmqsync
 address, timeout, uid = sys.argv[1], float(sys.argv[2]), sys.argv[3]
 started = time.monotonic()
 try:
-    options = {"publisher_uid": int(uid)} if uid else {}
+    options = {"security": zmqsync.Security(publisher_uid=int(uid))} if uid else {}
     sub = zmqsync.Subscriber(address, timeout=timeout, **options).start()
 except zmqsync.ZmqSyncError as exc:
     record, code = {"event": "refused", "type": type(exc).__name__, "message": str(exc)}, 3
@@ -373,7 +373,7 @@ def test_a_segment_of_another_uid_is_refused(fake, name, bus_dirs):
             *run_victim(fake.address),
             f"segment {shm / seg} is owned by uid {OTHER_UID}",
             f"expected uid {os.getuid()} (the owner of the control socket",
-            f"publisher_uid={OTHER_UID}",
+            f"Security(publisher_uid={OTHER_UID})",
         )
     assert fake.hellos == 1, "refused at the first WELCOME"
     assert "another program answers" in message
@@ -416,7 +416,7 @@ def test_a_tcp_bus_of_another_uid_needs_publisher_uid(name, bus_dirs):
             assert_refused(
                 *run_victim(publisher.address),
                 f"expected uid {os.getuid()} (this process's uid)",
-                f"pass Subscriber(publisher_uid={OTHER_UID})",
+                f"pass Subscriber(security=Security(publisher_uid={OTHER_UID}))",
             )
             assert_started(*run_victim(publisher.address, publisher_uid=OTHER_UID))
     finally:

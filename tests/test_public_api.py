@@ -198,3 +198,32 @@ def test_package_ships_py_typed():
     pyproject = (ROOT / "pyproject.toml").read_text()  # no tomllib: Python 3.10 is supported
     section = pyproject.split("[tool.setuptools.package-data]\n", 1)[1].split("\n[", 1)[0]
     assert re.search(r'^zmqsync = \[.*"py\.typed".*\]', section, re.M), section
+
+
+def test_every_public_class_takes_security_and_refuses_the_options_of_the_other_side():
+    # one object for who may reach a bus and whom a worker trusts; each class uses the
+    # options that apply to it and says which one does not
+    client = zmqsync.CurveClient("s" * 40, "p" * 40, "k" * 40)
+    with pytest.raises(ValueError, match="a Subscriber joins a bus: tap, max_workers are"):
+        zmqsync.Subscriber(name="x", security=zmqsync.Security(tap=True, max_workers=2))
+    with pytest.raises(ValueError, match="insecure is an option of the publisher's"):
+        zmqsync.Subscriber(name="x", security=zmqsync.Security(insecure=True))
+    with pytest.raises(ValueError, match="not a CurveServer"):
+        server = zmqsync.CurveServer("s" * 40, "k" * 40)
+        zmqsync.Subscriber(name="x", security=zmqsync.Security(curve=server))
+    with pytest.raises(ValueError, match="not a CurveClient"):
+        zmqsync.Publisher({"w": torch.zeros(1)}, name="x", security=zmqsync.Security(curve=client))
+    with pytest.raises(ValueError, match="publisher_uid= is a subscriber's option"):
+        zmqsync.Publisher({"w": torch.zeros(1)}, security=zmqsync.Security(publisher_uid=0))
+    with pytest.raises(TypeError, match="security= takes a zmqsync.Security"):
+        zmqsync.Subscriber(name="x", security={"curve": client})  # type: ignore[arg-type]
+    sub = zmqsync.Subscriber(name="x", security=zmqsync.Security(curve=client, publisher_uid=0))
+    sub.close()
+    root = zmqsync.RelayRoot(
+        name="x", init_method="tcp://198.51.100.3:29500", security=zmqsync.Security(insecure=True)
+    )  # a root may say its rendezvous network is trusted; no I/O until start()
+    assert root.address == ""
+    for cls in (zmqsync.Publisher, zmqsync.Subscriber, zmqsync.Relay, zmqsync.RelayRoot):
+        params = inspect.signature(cls).parameters
+        assert "security" in params
+        assert not {"curve", "insecure", "tap", "publisher_uid"} & set(params), cls

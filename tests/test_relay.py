@@ -381,7 +381,7 @@ def test_cli_root_process_and_an_in_process_relay(name, spawn, bus_dirs):
             init_method=url,
             relay_id="inproc",
             heartbeat=HB,
-            tap=True,
+            security=zmqsync.Security(tap=True),
             on_update=seen.append,
         ) as relay:
             assert relay.wait_for_version(0, timeout=30) and relay.publisher is not None
@@ -468,7 +468,11 @@ def test_relay_settings_are_checked_before_any_connection(monkeypatch):
         zmqsync.Relay(name="x")
     with pytest.raises(ValueError, match="no authentication"):
         zmqsync.Relay(name="x", init_method="tcp://198.51.100.3:29500")
-    zmqsync.Relay(name="x", init_method="tcp://198.51.100.3:29500", insecure=True)  # no I/O
+    zmqsync.Relay(
+        name="x",
+        init_method="tcp://198.51.100.3:29500",
+        security=zmqsync.Security(insecure=True),
+    )  # no I/O
     with pytest.raises(ValueError, match="slots >= 2"):
         zmqsync.Relay(name="x", init_method="tcp://127.0.0.1:1", slots=1)
     with pytest.raises(ValueError, match='ack must be "tree" or "relays"'):

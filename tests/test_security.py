@@ -358,13 +358,18 @@ def test_curve_lets_in_allowed_clients_only(ctx, name):
         {"w": torch.zeros(4)}, address, name=name, security=zmqsync.Security(curve=curve)
     ) as pub:
         good = zmqsync.CurveClient(server_pub, client_pub, client_sec)
-        with zmqsync.Subscriber("tcp://127.0.0.1:47313", name=name, curve=good) as sub:
+        with zmqsync.Subscriber(
+            "tcp://127.0.0.1:47313", name=name, security=zmqsync.Security(curve=good)
+        ) as sub:
             pub.publish()
             assert sub.version == 1 and list(pub.workers) == [sub.worker_id]
         intruder = zmqsync.CurveClient(server_pub, other_pub, other_sec)
         with pytest.raises(zmqsync.ConnectTimeout):
             zmqsync.Subscriber(
-                "tcp://127.0.0.1:47313", name=name, curve=intruder, timeout=1.0
+                "tcp://127.0.0.1:47313",
+                name=name,
+                security=zmqsync.Security(curve=intruder),
+                timeout=1.0,
             ).start()
         plain = zmqsync.Subscriber("tcp://127.0.0.1:47313", name=name, timeout=1.0)
         with pytest.raises(zmqsync.ConnectTimeout):

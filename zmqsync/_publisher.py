@@ -269,7 +269,6 @@ class Publisher:
         )
         server = curve if isinstance(curve, CurveServer) else None
         self._shared = Shared(self._role, curve=server, gid=self._gid, tap=tap)
-        self._registry = self._role.registry  # the agent's, under `_shared.cond`
         self._publish_lock = threading.Lock()
         self._state = "new"  # new -> started -> closed
         self._agent: Agent | None = None
@@ -306,7 +305,7 @@ class Publisher:
             shared.max_connections = connection_budget(shared.fd_limit, open_descriptors())
             slots = self._open_buffers(stack)
             self._mode.start(self.name, slots, stack)  # version 0, before anyone can join
-            self._registry.record(0, 0)
+            self._role.record(0, 0)
             agent = self._agent = Agent(shared)
             agent.start()
             stack.callback(agent.stop)
@@ -392,7 +391,7 @@ class Publisher:
             if self._agent is not None:
                 self._agent.remove_socket_files()
             raise
-        log.info("publisher %r closed at version %d", self.name, self._registry.latest)
+        log.info("publisher %r closed at version %d", self.name, self._role.latest)
 
     def __enter__(self) -> Publisher:
         return self.start()
@@ -415,8 +414,8 @@ class Publisher:
 
     def __repr__(self) -> str:
         return (
-            f"<Publisher {self.name!r} v{self._registry.latest} {self.address or '-'} "
-            f"{len(self._registry.members)} workers {self._state}>"
+            f"<Publisher {self.name!r} v{self._role.latest} {self.address or '-'} "
+            f"{len(self._role.members)} workers {self._state}>"
         )
 
     # --- publishing ----------------------------------------------------------------
@@ -429,13 +428,13 @@ class Publisher:
     @property
     def version(self) -> int:
         """The last published version."""
-        return self._registry.latest
+        return self._role.latest
 
     @property
     def workers(self) -> dict[str, WorkerInfo]:
         """Snapshot of the workers on the bus."""
         with self._shared.lock:
-            return self._registry.infos(time.time() - time.monotonic())
+            return self._role.infos(time.time() - time.monotonic())
 
     @property
     def max_lag_allowed(self) -> int | None:
@@ -501,16 +500,15 @@ class Publisher:
         flat, named = mode.read(weights, self._source.named(keys))
         with self._publish_lock:
             mode.settle(deadline)  # the version before this one is out first
-            version = mode.version(self._registry.latest)
+            version = mode.version(self._role.latest)
             slot = mode.claim(deadline)
             if deadline.expired():  # "evict": the slot's holders were dropped at the
                 # deadline; the version written now gets the whole timeout for its acks,
                 # so that no worker is evicted for a wait it could not shorten
                 deadline = Deadline(deadline.total)
             with self._shared.cond:
-                ids = self._registry.members if workers is None else workers
-                targets = self._registry.meant(ids)
-                if lag and self._registry.alias_readers():  # each pins one slot more
+                targets = self._role.targets(workers)
+                if lag and self._role.alias_readers():  # each pins one slot more
                     room = mode.lag_room(self._slot_count, True)
                     lag = lag if room is None else min(lag, room)
             pending = mode.write(slot, version, flat, named)
@@ -561,7 +559,7 @@ class Publisher:
 
     def _applied_workers(self) -> int:
         """Members that acked a version (caller holds `_shared.cond`)."""
-        return sum(m.acked >= 0 for m in self._registry.members.values())
+        return self._role.applied_workers()
 
     def _usable(self) -> AckWait:
         """The started publisher's waits; raises what the user should hear otherwise."""
@@ -593,6 +591,7 @@ def check_options(
         raise TypeError(f"writes= takes Copy(), Overlapped(optimizer) or Live(), not {writes!r}")
     if not isinstance(security, Security):
         raise TypeError(f"security= takes a zmqsync.Security, not {security!r}")
+    security.bus_side("a Publisher")
     Deadline(timeout)  # validates
 
 

@@ -215,17 +215,24 @@ def require_security(address: str, curve: CurveServer | None, insecure: bool) ->
 
 @dataclass(frozen=True)
 class Security:
-    """Who may reach a publisher's bus, what they can see, and what they may make it spend.
+    """Who may reach a bus, what they can see, what they may make it spend, and whom a
+    worker trusts: every public class takes one (``security=``), each using the options
+    that apply to it and refusing the others with a clear error.
 
     The defaults suit one host: ipc:// or loopback, no keys, the runtime dir's 0700
     deciding who connects. See docs/security.md for what each option defends against.
 
     Args:
-        curve: True: make keys for this bus and leave the client's in the runtime dir,
-            where subscribers of this name find them; or a `CurveServer` (keys and a
-            client allowlist). Required for a tcp:// address that is not loopback; on
-            loopback tcp without it any local user can join.
-        insecure: allow a non-loopback tcp:// address without CURVE (explicit opt-in).
+        curve: A publisher (or a relay's bus): True makes keys for this bus and leaves
+            the client's in the runtime dir, where subscribers of this name find them;
+            or a `CurveServer` (keys and a client allowlist). Required for a tcp://
+            address that is not loopback; on loopback tcp without it any local user can
+            join. A subscriber (or a relay root joining a trainer): a `CurveClient`
+            (its keys and the publisher's public key); None or True: the keys
+            $ZMQSYNC_CURVE_CLIENT names, else those a ``curve=True`` publisher of the
+            bus's name left in the runtime dir, if any.
+        insecure: allow a non-loopback tcp:// address without CURVE, and a relay's
+            non-loopback rendezvous (explicit opt-in).
         group: a group name or gid that may use the bus (socket files and segments
             become 0660 with that group), for containers running as different uids.
         tap: open the tap socket that mirrors every message for `zmqsync sniff`
@@ -239,15 +246,19 @@ class Security:
         handshake_rate: HELLOs, and new connections to the events and tap sockets, per
             second *per peer* (a storm is refused and counted; a welcomed worker's peer
             has four times that of its own).
+        publisher_uid: a subscriber: the uid the publisher's segments must belong to.
+            None: the owner of the ipc:// control socket, else this process's uid (a
+            tcp:// bus of another uid needs it: docs/security.md).
     """
 
-    curve: CurveServer | bool | None = None
+    curve: CurveServer | CurveClient | bool | None = None
     insecure: bool = False
     group: str | int | None = None
     tap: bool | None = None
     max_workers: int = 1024
     handshake_rate: float = 200.0
     max_workers_per_peer: int | None = None
+    publisher_uid: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_workers < 1 or self.handshake_rate <= 0:
@@ -257,3 +268,39 @@ class Security:
             raise ValueError("max_workers_per_peer must be between 1 and max_workers")
         if self.curve is False:
             object.__setattr__(self, "curve", None)
+
+    def bus_side(self, who: str) -> None:
+        """Check that these options suit a bus's side (a publisher, a relay's bus):
+        ValueError naming the first that does not."""
+        if isinstance(self.curve, CurveClient):
+            raise ValueError(
+                f"{who} serves a bus: its security takes curve=True or a CurveServer, not "
+                "a CurveClient (the keys of a worker)"
+            )
+        if self.publisher_uid is not None:
+            raise ValueError(f"{who} serves a bus: publisher_uid= is a subscriber's option")
+
+    def worker_side(self, who: str, *, insecure: bool = False) -> CurveClient | None:
+        """The keys these options give a worker's side (a subscriber, a relay root), or
+        None: find them by the bus's name. ValueError for an option of a bus's side
+        (`insecure` too, unless the caller has a use for it)."""
+        if isinstance(self.curve, CurveServer):
+            raise ValueError(
+                f"{who} joins a bus: its security takes curve=CurveClient(...) (or None: "
+                "the keys a curve=True publisher of this name left), not a CurveServer"
+            )
+        default = Security()
+        publisher_only = [
+            option
+            for option in ("group", "tap", "max_workers", "handshake_rate", "max_workers_per_peer")
+            if getattr(self, option) != getattr(default, option)
+        ]
+        if self.insecure and not insecure:
+            publisher_only.insert(0, "insecure")
+        if publisher_only:
+            raise ValueError(
+                f"{who} joins a bus: {', '.join(publisher_only)} "
+                f"{'is an option' if len(publisher_only) == 1 else 'are options'} of the "
+                "publisher's security, not a worker's"
+            )
+        return self.curve if isinstance(self.curve, CurveClient) else None

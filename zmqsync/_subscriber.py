@@ -77,7 +77,7 @@ from ._layout import Key, Layout, flatten
 from ._link import Link, LinkState, Offer
 from ._protocol import Ack, Hello, Welcome
 from ._reference_follower import ReferenceFollower, can_take
-from ._security import CurveClient, found_keys
+from ._security import Security, found_keys
 from ._subscriber_agent import Agent, Port, Waiters
 from ._text import printable
 from ._weakly import weakly, weakly_1
@@ -86,6 +86,7 @@ from ._worker_state import WorkerState
 __all__ = ["Reading", "Subscriber"]
 
 log = logging.getLogger(__name__)
+DEFAULT_SECURITY = Security()
 # Said once by a worker whose handshake is not answered at first (the CLI's worker shows
 # this line at its default level): bus name, address, how long it waits.
 WAITING = "waiting for bus %r at %s %s"
@@ -114,14 +115,16 @@ class Subscriber:
         timeout: handshake deadline (s); also the default for waits.
         on_update: callable(version) run after each apply, before the ack.
         shm_dir: where the publisher's segments are (default $ZMQSYNC_SHM_DIR or /dev/shm).
-        curve: this worker's CURVE keys and the publisher's public key, for a publisher
-            that requires CURVE (see docs/security.md). None: $ZMQSYNC_CURVE_CLIENT, or
-            the keys a ``curve=True`` publisher of `name` left in the runtime dir, read
-            again at each handshake (a restarted publisher has new ones).
-        publisher_uid: the uid the publisher's segments must belong to. None: the owner
-            of an ipc:// control socket, else this process's uid. Set it for a tcp:// bus
-            whose publisher runs as another uid of a shared group (see ``group=``): a
-            segment another user owns could be truncated under the mapping (SIGBUS).
+        security: whom this worker trusts (`Security`; a worker uses two of its options).
+            ``curve=CurveClient(...)``: this worker's CURVE keys and the publisher's
+            public key, for a publisher that requires CURVE (see docs/security.md);
+            left out: $ZMQSYNC_CURVE_CLIENT, or the keys a ``curve=True`` publisher of
+            `name` left in the runtime dir, read again at each handshake (a restarted
+            publisher has new ones). ``publisher_uid=``: the uid the publisher's segments
+            must belong to; left out: the owner of an ipc:// control socket, else this
+            process's uid. Set it for a tcp:// bus whose publisher runs as another uid of
+            a shared group (see ``group=``): a segment another user owns could be
+            truncated under the mapping (SIGBUS).
         flat: copy mode: the model's CPU tensors move into one block laid out as a slot
             (Parameters stay the same objects): a version is one copy (see `_flat`).
     """
@@ -139,10 +142,12 @@ class Subscriber:
         timeout: float | None = 10.0,
         on_update: Callable[[int], None] | None = None,
         shm_dir: str | None = None,
-        curve: CurveClient | None = None,
-        publisher_uid: int | None = None,
+        security: Security = DEFAULT_SECURITY,
         flat: bool = False,
     ) -> None:
+        if not isinstance(security, Security):
+            raise TypeError(f"security= takes a zmqsync.Security, not {security!r}")
+        curve = security.worker_side("a Subscriber")
         if mode not in ("copy", "alias"):
             raise ValueError(f'mode must be "copy" or "alias", not {mode!r}')
         if apply not in ("background", "manual"):
@@ -159,7 +164,7 @@ class Subscriber:
         self._timeout = timeout
         self._on_update = on_update
         self._shm_dir = _config.shm_dir(shm_dir)
-        self._publisher_uid = publisher_uid
+        self._publisher_uid = security.publisher_uid
         self._pid = os.getpid()
         self._secure = curve.apply if curve is not None else found_keys(self.name)
         self._lock = threading.RLock()

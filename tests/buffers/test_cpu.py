@@ -353,7 +353,7 @@ def test_attach_refuses_a_segment_of_another_uid(shm, seg_name):
         message = str(info.value)
         assert f"segment {seg.path} is owned by uid {OTHER_UID}" in message
         assert f"expected uid {os.getuid()} (this process's uid)" in message
-        assert f"Subscriber(publisher_uid={OTHER_UID})" in message
+        assert f"Subscriber(security=Security(publisher_uid={OTHER_UID}))" in message
         described = seg.describe()
         att = CpuAttachment.attach(
             described, slots=1, slot_bytes=PAGE, shm_dir=shm, owner=OTHER_UID

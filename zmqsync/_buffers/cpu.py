@@ -270,7 +270,8 @@ def _check_owner(path: str, st: os.stat_result, owner: tuple[int, str], control:
             f"segment {path} is owned by uid {st.st_uid}, expected uid {uid} ({why}); "
             "a file of another user could be truncated under the mapping. If the "
             f"publisher{where} runs as uid {st.st_uid} on purpose (containers sharing a "
-            f"group), pass Subscriber(publisher_uid={st.st_uid}); otherwise another "
+            f"group), pass Subscriber(security=Security(publisher_uid={st.st_uid})); "
+            "otherwise another "
             "program answers at that address"
         )
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):

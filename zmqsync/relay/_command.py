@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .._cli import signals
+from .._security import Security
 from ._carrier import Relayed
 from ._host import Relay
 from ._root import RelayRoot
@@ -92,8 +93,8 @@ def _root(args: argparse.Namespace, emit: Emit) -> RelayRoot:
         chunk_mb=args.chunk_mb,
         collective_timeout=args.collective_timeout,
         device=args.device,
-        insecure=args.insecure,
         on_relayed=relayed,
+        security=Security(insecure=args.insecure),
     )
 
 
@@ -109,8 +110,7 @@ def _relay(args: argparse.Namespace, emit: Emit) -> Relay:
         on_timeout=args.on_timeout,
         heartbeat=args.heartbeat,
         device=args.device,
-        insecure=args.insecure,
         on_update=lambda v: emit({"event": "published", "version": v}),
         join_timeout=args.connect_timeout,
-        curve=True if args.curve else None,
+        security=Security(curve=True if args.curve else None, insecure=args.insecure),
     )

@@ -41,7 +41,7 @@ from .._errors import ClosedError, ProtocolError, PublishTimeout, ZmqSyncError
 from .._gc import collect_garbage
 from .._protocol import TensorSpec
 from .._publisher import Publish, Publisher
-from .._security import CurveServer, Security
+from .._security import Security
 from .._sockets import NOBLOCK
 from .._write_modes import Landing
 from ._data_channel import DataLink
@@ -63,6 +63,7 @@ from ._wire import (
 __all__ = ["Relay"]
 
 log = logging.getLogger(__name__)
+DEFAULT_SECURITY = Security()
 
 _INBOX_POLL_S = 0.01  # the data thread: agent messages wait at most this long
 _SWEEP_S = 5.0  # the wait thread removes segments nobody maps this often
@@ -168,15 +169,15 @@ class Relay:
         on_timeout: the local bus's: "evict" (default) or "raise" (report its missing
             workers to the root either way).
         heartbeat: heartbeat interval (s) towards the root and on the local bus.
-        shm_dir, tap: for the local bus (see `Publisher`).
+        shm_dir: for the local bus (see `Publisher`).
         device: CUDA device for the NCCL staging buffer.
-        insecure: allow a non-loopback rendezvous address (see `RelayRoot`).
         on_update: callable(version) run after each version is on the local bus.
         join_timeout: start() deadline for the first join (default: `timeout`); a relay
             started before its root waits this long.
-        curve: CURVE for the local bus, as `Publisher` takes it: True makes keys and
-            leaves the client's in this host's runtime dir for the local workers, or a
-            CurveServer. A tcp:// local address off loopback requires it.
+        security: the local bus's, as a `Publisher` takes it (``curve=True`` makes keys
+            and leaves the client's in this host's runtime dir for the local workers, or
+            a CurveServer; ``tap=``, ``max_workers=``, ...); its ``insecure=True`` also
+            allows a non-loopback rendezvous address (see `RelayRoot`).
     """
 
     def __init__(
@@ -191,13 +192,14 @@ class Relay:
         on_timeout: str = "evict",
         heartbeat: float = 0.5,
         shm_dir: str | None = None,
-        tap: bool | None = None,
         device: str | None = None,
-        insecure: bool = False,
         on_update: Callable[[int], None] | None = None,
         join_timeout: float | None = None,
-        curve: CurveServer | bool | None = None,
+        security: Security = DEFAULT_SECURITY,
     ) -> None:
+        if not isinstance(security, Security):
+            raise TypeError(f"security= takes a zmqsync.Security, not {security!r}")
+        security.bus_side("a Relay")
         self.name = _config.check_name(name)
         self.relay_id = relay_id or socket.gethostname()
         RELAY_ID(self.relay_id, "relay_id")
@@ -210,13 +212,13 @@ class Relay:
         if not timeout > 0 or math.isinf(timeout):
             raise ValueError(f"timeout must be a positive number of seconds, not {timeout}")
         self._host, self._port = rendezvous(init_method)
-        require_trusted(self._host, insecure)
+        require_trusted(self._host, security.insecure)
         self._device_arg = device
         self._address_arg = address
         self.address = ""
         self._slots, self._timeout, self._on_timeout = slots, float(timeout), on_timeout
-        self._heartbeat, self._shm_dir, self._tap = float(heartbeat), shm_dir, tap
-        self._curve = curve
+        self._heartbeat, self._shm_dir = float(heartbeat), shm_dir
+        self._security = security
         self._on_update = on_update
         self._join_timeout = self._timeout if join_timeout is None else join_timeout
         self._lock = threading.RLock()
@@ -632,7 +634,7 @@ class Relay:
             on_timeout=self._on_timeout,
             heartbeat=self._heartbeat,
             shm_dir=self._shm_dir,
-            security=Security(curve=self._curve, tap=self._tap),
+            security=self._security,
         )
         try:
             bus.start()  # version 0 of the local bus holds these bytes...

@@ -58,7 +58,8 @@ def require_trusted(host: str, insecure: bool) -> None:
         raise ValueError(
             f"rendezvous address {host} is reachable from other hosts, and torch.distributed "
             "(TCPStore, gloo, NCCL) has no authentication: run relays on a trusted cluster "
-            "network and pass insecure=True (--insecure) to say so, or use 127.0.0.1"
+            "network and pass security=Security(insecure=True) (--insecure) to say so, or use "
+            "127.0.0.1"
         )
 
 

@@ -36,7 +36,7 @@ from .. import _config, _lifecycle
 from .._deadline import Deadline
 from .._errors import ClosedError, ProtocolError, ZmqSyncError
 from .._protocol import Inspect, State, TensorSpec
-from .._security import CurveClient, found_keys
+from .._security import Security, found_keys
 from .._sockets import request
 from .._subscriber import Subscriber
 from ._carrier import Carrier, Relayed, Settings
@@ -50,6 +50,7 @@ from ._wire import check_backend, flat_slot, layout_of, on_cpu, payload_bytes
 __all__ = ["DEFAULT_CHUNK_MB", "RelayRoot"]
 
 log = logging.getLogger(__name__)
+DEFAULT_SECURITY = Security()
 
 DEFAULT_CHUNK_MB = 16.0
 
@@ -87,13 +88,13 @@ class RelayRoot:
         chunk_mb: MiB per collective when the slot is sent.
         worker_id: this subscriber's worker id on the bus.
         device: CUDA device of the NCCL staging buffer.
-        insecure: allow a non-loopback rendezvous address (torch.distributed has no
-            authentication; say that the network is trusted).
         on_relayed: callable(Relayed) run after each version (on the relay thread).
-        curve: the CURVE keys for a trainer's bus that has them, used both to inspect
-            the bus and to subscribe to it; None: found as a `Subscriber` finds them
-            ($ZMQSYNC_CURVE_CLIENT, else the keys a ``curve=True`` trainer of `name`
-            left in the runtime dir), at each handshake.
+        security: ``curve=CurveClient(...)``: the CURVE keys for a trainer's bus that
+            has them, used both to inspect the bus and to subscribe to it; left out:
+            found as a `Subscriber` finds them ($ZMQSYNC_CURVE_CLIENT, else the keys a
+            ``curve=True`` trainer of `name` left in the runtime dir), at each
+            handshake. ``insecure=True``: allow a non-loopback rendezvous address
+            (torch.distributed has no authentication; say that the network is trusted).
     """
 
     def __init__(
@@ -111,10 +112,12 @@ class RelayRoot:
         collective_timeout: float | None = None,
         worker_id: str = "relay-root",
         device: str | None = None,
-        insecure: bool = False,
         on_relayed: Callable[[Relayed], None] | None = None,
-        curve: CurveClient | None = None,
+        security: Security = DEFAULT_SECURITY,
     ) -> None:
+        if not isinstance(security, Security):
+            raise TypeError(f"security= takes a zmqsync.Security, not {security!r}")
+        curve = security.worker_side("a RelayRoot", insecure=True)
         self.name = _config.check_name(name)
         if ack not in ("tree", "relays"):
             raise ValueError(f'ack must be "tree" or "relays", not {ack!r}')
@@ -127,7 +130,7 @@ class RelayRoot:
         if not chunk_mb > 0:
             raise ValueError(f"chunk_mb must be positive, not {chunk_mb}")
         self._host, self._port = rendezvous(init_method)
-        require_trusted(self._host, insecure)
+        require_trusted(self._host, security.insecure)
         self._device = check_backend(backend, device)
         self._address_arg = address
         self.address = ""
@@ -262,7 +265,7 @@ class RelayRoot:
                 device="cpu",  # read the CPU segment (the publisher mirrors GPU weights there)
                 timeout=self._timeout,
                 on_update=self._on_version,
-                curve=self._curve,
+                security=Security(curve=self._curve),
             )
             self._feed = feed.start()
             stack.callback(feed.close)
