@@ -1,20 +1,44 @@
-"""Close what the user forgot to close, at interpreter exit.
+"""One lifecycle for every public object that opens something: Publisher, Subscriber,
+Relay and RelayRoot.
 
-Background threads are daemons, so an interpreter can exit while a Publisher or
-Subscriber is still open (a script that ends without `close()`, a KeyboardInterrupt).
-`atexit` then closes them, bounded in time like every close: the publisher still
-broadcasts STOP and unlinks its segment. A SIGKILL skips this; the flock-based garbage
-collection covers that case.
+Each is built (NEW), started once (STARTED: sockets bound or connected, buffers mapped,
+threads running) and closed once (CLOSED, final: a closed object is never started
+again; create a new one). `Lifecycle` holds the state as an enum and the parts that must
+not differ between them:
+
+* ``close()`` is idempotent, and in a process forked from the one that started the
+  object it releases nothing: the sockets, threads and segments are the parent's.
+* ``with obj:`` starts and closes.
+* An object collected while started is closed first, then warned about
+  (ResourceWarning): with warnings turned into errors, a warning issued first would end
+  ``__del__`` before anything was released.
+* Whatever is still open at interpreter exit is closed (`atexit`), bounded in time like
+  every close: a publisher still broadcasts STOP and unlinks its segment. A SIGKILL
+  skips this; the flock-based garbage collection covers that case.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import enum
+import os
+import warnings
 import weakref
-from typing import Protocol
+from typing import Any, Protocol
 
-__all__ = ["track"]
+from ._errors import ClosedError
+
+__all__ = ["Lifecycle", "State", "track"]
+
+
+class State(enum.Enum):
+    # NEW: built; nothing is open yet.
+    NEW = "new"
+    # STARTED: open (sockets, buffers, threads) in the process that started it.
+    STARTED = "started"
+    # CLOSED: final; everything it opened is released.
+    CLOSED = "closed"
 
 
 class _Closable(Protocol):
@@ -25,6 +49,7 @@ _live: weakref.WeakSet[_Closable] = weakref.WeakSet()
 
 
 def track(obj: _Closable) -> None:
+    """Close `obj` at interpreter exit if it is still open then."""
     _live.add(obj)
 
 
@@ -33,3 +58,71 @@ def _close_all() -> None:
     for obj in list(_live):
         with contextlib.suppress(Exception):
             obj.close()
+
+
+class Lifecycle:
+    """The state and the lifecycle methods shared by the public classes (module doc).
+
+    A subclass calls `_starting` first in ``start()`` and `_started` once it is open;
+    ``close()`` calls `_closing` first and releases what it opened only when that says
+    so. `_title` names the object in errors ("Relay 'host-1'").
+    """
+
+    _state: State = State.NEW  # a class default: __del__ of a half-built object reads it
+    _pid: int = 0
+
+    def start(self) -> Any:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def _title(self) -> str:
+        return type(self).__name__
+
+    def _starting(self) -> bool:
+        """Whether start() has work to do: False when started already (it returns self).
+
+        Raises:
+            ClosedError: closed already: a closed object is never started again.
+        """
+        if self._state is State.CLOSED:
+            raise ClosedError(f"{self._title()} is closed; create a new one")
+        if self._state is State.STARTED:
+            return False
+        self._pid = os.getpid()
+        return True
+
+    def _started(self) -> None:
+        """start() opened everything: STARTED, and closed at exit if still open then."""
+        self._state = State.STARTED
+        track(self)
+
+    def _closing(self) -> bool:
+        """CLOSED from now on; whether close() must release anything: only once, and only
+        in the process that started it."""
+        was, self._state = self._state, State.CLOSED
+        return was is State.STARTED and os.getpid() == self._pid
+
+    @property
+    def closed(self) -> bool:
+        """Whether close() was called (final)."""
+        return self._state is State.CLOSED
+
+    def __enter__(self) -> Any:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if self._state is not State.STARTED:
+            return
+        unclosed = f"unclosed {self!r}"
+        with contextlib.suppress(Exception):
+            self.close()
+        warnings.warn(
+            f"{unclosed}: closed by the garbage collector (use `with` or call close())",
+            ResourceWarning,
+            stacklevel=1,
+        )

@@ -38,13 +38,12 @@ import os
 import secrets
 import threading
 import time
-import warnings
 from collections.abc import Iterable
 from typing import Any
 
 import zmq
 
-from . import _config, _lifecycle
+from . import _config
 from ._acks import AckWait
 from ._announcer import Announcer
 from ._buffers import CpuSegment, CudaBuffer, collect_garbage, segment_name
@@ -53,6 +52,7 @@ from ._connections import connection_budget, open_descriptors, peer_alive, raise
 from ._deadline import Deadline
 from ._errors import ClosedError, ZmqSyncError
 from ._layout import Key
+from ._lifecycle import Lifecycle, State
 from ._overlap import Pending
 from ._protocol import Inspect, encode
 from ._publisher_agent import Agent, Shared
@@ -193,7 +193,7 @@ class Publish:
         return f"<Publish v{self.version} {state} {self.seconds * 1e3:.2f} ms>"
 
 
-class Publisher:
+class Publisher(Lifecycle):
     """Publishes versions of a model's weights to every subscriber on the host.
 
     The common case is one line, ``Publisher(model, name="policy")``; the rest is
@@ -270,7 +270,6 @@ class Publisher:
         server = curve if isinstance(curve, CurveServer) else None
         self._shared = Shared(self._role, curve=server, gid=self._gid, tap=tap)
         self._publish_lock = threading.Lock()
-        self._state = "new"  # new -> started -> closed
         self._agent: Agent | None = None
         self._acks: AckWait | None = None  # once started
         self._segment: CpuSegment | None = None  # its header says when the bus closes
@@ -287,9 +286,7 @@ class Publisher:
             ZmqSyncError: another publisher already serves this address.
             ClosedError: the publisher was closed (create a new one).
         """
-        if self._state == "closed":
-            raise ClosedError(f"Publisher {self.name!r} is closed; create a new one")
-        if self._state == "started":
+        if not self._starting():
             return self
         shared = self._shared
         with contextlib.ExitStack() as stack:
@@ -314,9 +311,7 @@ class Publisher:
             bound = Bound(self.name, slots, announcer, self._acks, shared.write_lock, self._timeout)
             self._mode.bind(bound, stack)
             self._resources = stack.pop_all()
-        self._state = "started"
-        self._pid = os.getpid()
-        _lifecycle.track(self)
+        self._started()
         log.info(
             "publisher %r started at %s (%d tensors, %.1f MiB, %d slots)",
             self.name,
@@ -364,18 +359,12 @@ class Publisher:
 
     def close(self) -> None:
         """Broadcast STOP, wait briefly for BYEs, unlink the segments. Idempotent."""
-        if self._state != "started":
-            self._state = "closed"
-            return
-        if os.getpid() == self._pid:
+        if self._state is State.STARTED and os.getpid() == self._pid:
             # a version still being written in the background goes out before STOP
             wait_s = self._timeout if self._timeout is not None else _CLOSE_WAIT_S
             with contextlib.suppress(Exception):  # bounded even with timeout=None
                 self._mode.settle(Deadline(wait_s))
-        self._state = "closed"
-        if os.getpid() != self._pid:
-            # A forked child inherited this object: the segment, sockets and thread
-            # belong to the parent. Closing them here would break the parent's bus.
+        if not self._closing():  # never started, closed already, or a forked child's
             return
         if self._acks is not None:
             self._acks.closed = True
@@ -393,29 +382,16 @@ class Publisher:
             raise
         log.info("publisher %r closed at version %d", self.name, self._role.latest)
 
+    def _title(self) -> str:
+        return f"Publisher {self.name!r}"
+
     def __enter__(self) -> Publisher:
         return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        # Close first, warn after: with warnings turned into errors the warning would
-        # otherwise end __del__ before anything is released.
-        if getattr(self, "_state", "closed") == "started":
-            unclosed = f"unclosed {self!r}"
-            with contextlib.suppress(Exception):
-                self.close()
-            warnings.warn(
-                f"{unclosed}: closed by the garbage collector (use `with` or call close())",
-                ResourceWarning,
-                stacklevel=1,
-            )
 
     def __repr__(self) -> str:
         return (
             f"<Publisher {self.name!r} v{self._role.latest} {self.address or '-'} "
-            f"{len(self._role.members)} workers {self._state}>"
+            f"{len(self._role.members)} workers {self._state.value}>"
         )
 
     # --- publishing ----------------------------------------------------------------
@@ -564,8 +540,8 @@ class Publisher:
     def _usable(self) -> AckWait:
         """The started publisher's waits; raises what the user should hear otherwise."""
         acks = self._acks
-        if self._state != "started" or acks is None:
-            state = "closed" if self._state == "closed" else "not started"
+        if self._state is not State.STARTED or acks is None:
+            state = "closed" if self._state is State.CLOSED else "not started"
             raise ClosedError(f"Publisher {self.name!r} is {state}; call start() on a new one")
         acks.check()
         return acks

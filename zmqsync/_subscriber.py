@@ -44,7 +44,6 @@ import secrets
 import threading
 import time
 import types
-import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -52,7 +51,7 @@ from typing import Any
 import torch
 import zmq
 
-from . import _config, _lifecycle
+from . import _config
 from ._apply import Target, slot_views
 from ._buffers import CpuAttachment, CudaAttachment
 from ._buffers import cuda as _cuda
@@ -74,7 +73,8 @@ from ._fast_frames import receive_pattern, template_pieces
 from ._follow import FOLLOWER, GATE, libzmq_path, zmq_error
 from ._histogram import APPLY, record
 from ._layout import Key, Layout, flatten
-from ._link import Link, LinkState, Offer
+from ._lifecycle import Lifecycle, State
+from ._link import Link, Offer
 from ._protocol import Ack, Hello, Welcome
 from ._reference_follower import ReferenceFollower, can_take
 from ._security import Security, found_keys
@@ -101,7 +101,7 @@ class Reading:
     torn: bool = False
 
 
-class Subscriber:
+class Subscriber(Lifecycle):
     """Receives versions of a model's weights from a `Publisher` on this host.
 
     Args:
@@ -171,12 +171,11 @@ class Subscriber:
         self._cond = threading.Condition(self._lock)
         self._waiters = Waiters(self._cond, GATE() if GATE is not None else None)
         self._apply_lock = threading.Lock()
-        self._closed = False
         self._failure: BaseException | None = None
         self._bus_id = ""  # of the buffers mapped now
         # version, held (slot, seqlock counter aliased now), the Link's last_seq and
         # last_heard, applied/native: written by both followers (see `_worker_state`)
-        self._state = WorkerState()
+        self._worker = WorkerState()
         self._version_bus_id = ""
         self._pending: Offer | None = None
         self._target: Target | None = None
@@ -194,7 +193,7 @@ class Subscriber:
         # nonce, drawn once, proves to the publisher that every HELLO of this Subscriber
         # comes from the same process (see `Registry.claim`); the tap never shows it.
         self._link = Link(
-            self.worker_id, mode, self._counts, nonce=secrets.token_hex(16), shared=self._state
+            self.worker_id, mode, self._counts, nonce=secrets.token_hex(16), shared=self._worker
         )
 
     # --- lifecycle -----------------------------------------------------------------
@@ -208,20 +207,22 @@ class Subscriber:
             ProtocolError: the publisher's answer is not valid (or it refused us).
             BufferUnavailable: its segment cannot be mapped here (shm dir differs).
         """
-        if self._closed:
-            raise ClosedError(f"Subscriber {self.name!r} is closed; create a new one")
-        if self._link.state is not LinkState.NEW:
+        if not self._starting():
             return self
         self.address = self._address_arg or _config.default_address(self.name)
-        self._pid = os.getpid()
         self._agent = Agent(self._link, self._port(), f"zmqsync-sub-{self.name}")
-        self._agent.start(Deadline(self._timeout), self._say_waiting)
-        _lifecycle.track(self)
+        try:
+            self._agent.start(Deadline(self._timeout), self._say_waiting)
+        except BaseException:  # nothing stays open, and the object is done with
+            self._closing()
+            self._release()
+            raise
+        self._started()
         log.info(
             "subscriber %s joined %s at version %d (%s/%s)",
             self.worker_id,
             self.address,
-            self._state.version,
+            self._worker.version,
             self.mode,
             self.apply,
         )
@@ -234,11 +235,10 @@ class Subscriber:
 
     def close(self) -> None:
         """Send BYE, release the slot, unmap. Idempotent; the model keeps its weights."""
-        if self._closed:
-            return
-        self._closed = True
-        if os.getpid() != self._pid:  # inherited through fork: the parent's to close
-            return
+        if self._closing():  # never started, closed already, or a forked child's: nothing
+            self._release()
+
+    def _release(self) -> None:
         if self._agent is not None:
             self._agent.stop()
         if self._attachment is not None:
@@ -247,44 +247,30 @@ class Subscriber:
             gpu.close()
         self._notify()
 
+    def _title(self) -> str:
+        return f"Subscriber {self.name!r}"
+
     def __enter__(self) -> Subscriber:
         return self.start()
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        # Close first, warn after: with warnings turned into errors the warning would
-        # otherwise end __del__ before anything is released.
-        link: Link | None = getattr(self, "_link", None)
-        if link is not None and not self._closed and link.state is not LinkState.NEW:
-            unclosed = f"unclosed {self!r}"
-            with contextlib.suppress(Exception):
-                self.close()
-            warnings.warn(
-                f"{unclosed}: closed by the garbage collector (use `with` or call close())",
-                ResourceWarning,
-                stacklevel=1,
-            )
-
     def __repr__(self) -> str:
-        if self._closed:
+        if self.closed:
             link = "closed"
         else:
             link = "connected" if self.connected else self._link.state.name.lower()
-        return f"<Subscriber {self.name!r} v{self._state.version} {self.mode}/{self.apply} {link}>"
+        return f"<Subscriber {self.name!r} v{self._worker.version} {self.mode}/{self.apply} {link}>"
 
     # --- what the worker uses ------------------------------------------------------
 
     @property
     def version(self) -> int:
         """The version the model now computes with (-1 before start)."""
-        return self._state.version
+        return self._worker.version
 
     @property
     def lag(self) -> int:
         """Versions written after the one applied (the header names the newest one)."""
-        mine = self._state.version if self._version_bus_id == self._bus_id else -1
+        mine = self._worker.version if self._version_bus_id == self._bus_id else -1
         return max(0, latest[0] - mine) if (latest := self._latest()) else 0
 
     @property
@@ -292,7 +278,7 @@ class Subscriber:
         """A new dict of what this worker counted: ``applied`` (versions applied), ``native``
         (by the native follower), ``rejected``, ``foreign``, ``gaps`` (the Link's) and
         ``apply_us_*`` (how long the others took, see `_histogram`)."""
-        state = self._state
+        state = self._worker
         return {"applied": state.applied, "native": state.native, **self._counts}
 
     @property
@@ -304,7 +290,7 @@ class Subscriber:
     @property
     def connected(self) -> bool:
         """False while the publisher is unreachable (the last version stays in use)."""
-        return not self._closed and self._link.connected and not self._bus_closed()
+        return not self.closed and self._link.connected and not self._bus_closed()
 
     @property
     def transport(self) -> str:
@@ -372,7 +358,7 @@ class Subscriber:
         deadline = Deadline(timeout)
         with self._cond:
             while self._pending is None:
-                if deadline.expired() or self._closed:
+                if deadline.expired() or self.closed:
                     return False
                 self._cond.wait(deadline.wait_s(0.5))
                 self._check_usable()
@@ -393,7 +379,7 @@ class Subscriber:
             ProtocolError: the publisher refused this worker for good (see `refusal`):
                 no version will come.
         """
-        if self._state.version >= version:  # first: a thread that waits for each next version
+        if self._worker.version >= version:  # first: a thread that waits for each next version
             return True  # comes here once per version, with cold caches
         seconds = self._timeout if timeout is DEFAULT else timeout
         gate = self._waiters.gate if self.apply == "background" else None
@@ -403,12 +389,12 @@ class Subscriber:
             # looks at why with the time left.
             start = time.monotonic()
             self._check_usable()
-            if gate.wait(version, seconds) and self._state.version >= version:
+            if gate.wait(version, seconds) and self._worker.version >= version:
                 return True
             if seconds is not None:
                 seconds = max(0.0, seconds - (time.monotonic() - start))
         deadline = Deadline(seconds)
-        while self._state.version < version:
+        while self._worker.version < version:
             self._check_usable()
             if deadline.expired():
                 return False
@@ -418,7 +404,7 @@ class Subscriber:
                 self.poll(deadline.wait_s(0.5))
             else:
                 with self._cond:
-                    if self._state.version < version:
+                    if self._worker.version < version:
                         self._waiters.add(version)
                         try:
                             self._cond.wait(deadline.wait_s(0.5))
@@ -446,7 +432,7 @@ class Subscriber:
         that the block's results must be discarded. Copy mode is never torn.
         """
         with self._lock:
-            held, version, attachment = self._state.held, self._state.version, self._attachment
+            held, version, attachment = self._worker.held, self._worker.version, self._attachment
             devices = self._sync_devices
         reading = Reading(version)
         try:
@@ -466,8 +452,8 @@ class Subscriber:
                 f"worker {self.worker_id!r} was refused by the publisher at {self.address}: "
                 f"{printable(refusal)}"
             )
-        if self._closed or self._link.state is LinkState.NEW:
-            state = "closed" if self._closed else "not started"
+        if self._state is not State.STARTED:
+            state = "closed" if self.closed else "not started"
             raise ClosedError(f"Subscriber {self.name!r} is {state}")
 
     # --- what the agent may ask (see Port) ---
@@ -497,7 +483,7 @@ class Subscriber:
     def _bus_closed(self) -> bool:
         """Whether the publisher of the segment mapped now marked the bus closed."""
         attachment = self._attachment
-        if self._closed or attachment is None:
+        if self.closed or attachment is None:
             return False
         try:
             return attachment.header.closed()
@@ -509,7 +495,7 @@ class Subscriber:
         return attachment.header.latest() if attachment is not None else None
 
     def _current_version(self) -> int:
-        return self._state.version
+        return self._worker.version
 
     def _fail(self, exc: BaseException) -> None:
         self._failure = exc
@@ -526,12 +512,12 @@ class Subscriber:
         first = not self._version_bus_id
         applied = self._apply_offer(offer) if first else self._offer(offer)
         if applied is None and self._version_bus_id == offer.bus:
-            applied = self._state.version  # re-joined the same bus: already computing with it
+            applied = self._worker.version  # re-joined the same bus: already computing with it
         return applied
 
     def _offer(self, offer: Offer) -> int | None:
         """A version arrived (agent thread). Background: apply it now. Manual: keep it."""
-        if offer.bus == self._version_bus_id and offer.version <= self._state.version:
+        if offer.bus == self._version_bus_id and offer.version <= self._worker.version:
             return None
         if self.apply == "background":
             return self._apply_offer(offer)
@@ -552,7 +538,7 @@ class Subscriber:
                 return None  # re-handshaken since: a newer offer follows
             header, version, slot = attachment.header, offer.version, offer.slot
             for _ in range(_APPLY_ATTEMPTS):
-                if offer.bus == self._version_bus_id and version <= self._state.version:
+                if offer.bus == self._version_bus_id and version <= self._worker.version:
                     return None
                 counter = header.read_begin(slot, version)
                 if counter is None:  # the slot moved on: take the newest version
@@ -567,7 +553,7 @@ class Subscriber:
                         self._changed(offer.changed)
                         if offer.changed
                         and version == offer.version
-                        and version == self._state.version + 1
+                        and version == self._worker.version + 1
                         and offer.bus == self._version_bus_id
                         else None
                     )
@@ -583,9 +569,9 @@ class Subscriber:
                 with self._lock:  # waiters are woken once the ACK is out (see Waiters)
                     if offer.bus != self._version_bus_id and self._waiters.gate is not None:
                         self._waiters.gate.open(version)  # a new bus: its numbers start over
-                    self._state.held = (slot, counter) if self.mode == "alias" else None
-                    self._state.version, self._version_bus_id = version, offer.bus
-                    self._state.applied += 1
+                    self._worker.held = (slot, counter) if self.mode == "alias" else None
+                    self._worker.version, self._version_bus_id = version, offer.bus
+                    self._worker.applied += 1
                     record(self._counts, APPLY, time.perf_counter() - started)
                 if self._on_update is not None:
                     self._on_update(version)
@@ -632,7 +618,7 @@ class Subscriber:
                     header=attachment.header,
                     slots=len(self._views),
                     switch=switch,
-                    state=self._state,
+                    state=self._worker,
                     lock=self._lock,
                     opened=self._waiters.wake,
                     copy=copy,
@@ -651,7 +637,7 @@ class Subscriber:
                 first_slot_word=FIRST_SLOT_WORD,
                 slots=len(self._views),
                 switch=switch,
-                state=self._state,
+                state=self._worker,
                 lock=self._lock,
                 gate=gate,
                 error=zmq_error,

@@ -18,7 +18,6 @@ relay's lock, the agent reads it for its heartbeats.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import os
@@ -26,7 +25,6 @@ import queue
 import socket
 import threading
 import time
-import warnings
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -35,10 +33,11 @@ from typing import Any
 import torch
 import zmq
 
-from .. import _config, _lifecycle
+from .. import _config
 from .._deadline import Deadline
-from .._errors import ClosedError, ProtocolError, PublishTimeout, ZmqSyncError
+from .._errors import ProtocolError, PublishTimeout, ZmqSyncError
 from .._gc import collect_garbage
+from .._lifecycle import Lifecycle
 from .._protocol import TensorSpec
 from .._publisher import Publish, Publisher
 from .._security import Security
@@ -148,7 +147,7 @@ class _RelayGroup:
     slot_bytes: int  # the bytes of a version: the payload_bytes of the manifest
 
 
-class Relay:
+class Relay(Lifecycle):
     """Republishes a root's versions on this host's bus, under the same version numbers.
 
     One per host. It finds the root through the rendezvous (``env://``: MASTER_ADDR and
@@ -223,7 +222,6 @@ class Relay:
         self._join_timeout = self._timeout if join_timeout is None else join_timeout
         self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)
-        self._state = "new"
         self._stopping = threading.Event()
         self._local: _LocalBus | None = None
         self._manifest: tuple[TensorSpec, ...] = ()
@@ -250,12 +248,9 @@ class Relay:
             ConnectTimeout: no root accepted this relay within `timeout`.
             ClosedError: closed already (create a new one).
         """
-        if self._state == "closed":
-            raise ClosedError(f"Relay {self.relay_id!r} is closed; create a new one")
-        if self._state == "started":
+        if not self._starting():
             return self
         self.address = self._address_arg or _config.default_address(self.name)
-        self._pid = os.getpid()
         self._data_ctx = zmq.Context()
         self._agent = RelayAgent(
             relay_id=self.relay_id,
@@ -277,23 +272,18 @@ class Relay:
         ]
         for thread in self._threads:
             thread.start()
-        self._state = "started"
+        self._started()  # the threads run: a failed join closes them
         try:
             self._agent.start(Deadline(self._join_timeout))
         except BaseException:
             self.close()
             raise
-        _lifecycle.track(self)
         log.info("relay %s joined %s:%d", self.relay_id, self._host, self._port)
         return self
 
     def close(self) -> None:
         """Leave the tree, drop the group, close the local bus (STOP). Idempotent."""
-        if self._state != "started":
-            self._state = "closed"
-            return
-        self._state = "closed"
-        if os.getpid() != self._pid:
+        if not self._closing():
             return
         self._stopping.set()
         if self._agent is not None:
@@ -317,23 +307,17 @@ class Relay:
             self._cond.notify_all()
         log.info("relay %s closed at version %d", self.relay_id, self.version)
 
+    def _title(self) -> str:
+        return f"Relay {self.relay_id!r}"
+
     def __enter__(self) -> Relay:
         return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        if getattr(self, "_state", "closed") == "started":
-            warnings.warn(f"unclosed {self!r}", ResourceWarning, stacklevel=1)
-            with contextlib.suppress(Exception):
-                self.close()
 
     def __repr__(self) -> str:
         link = "connected" if self.connected else "disconnected"
         return (
             f"<Relay {self.relay_id!r} {self.name!r} v{self.version} gen {self.generation} "
-            f"{link} {self._state}>"
+            f"{link} {self._state.value}>"
         )
 
     # --- what the user sees --------------------------------------------------------

@@ -24,7 +24,6 @@ import os
 import secrets
 import threading
 import time
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -32,9 +31,10 @@ import torch
 import torch.distributed as dist
 import zmq
 
-from .. import _config, _lifecycle
+from .. import _config
 from .._deadline import Deadline
 from .._errors import ClosedError, ProtocolError, ZmqSyncError
+from .._lifecycle import Lifecycle
 from .._protocol import Inspect, State, TensorSpec
 from .._security import Security, found_keys
 from .._sockets import request
@@ -55,7 +55,7 @@ DEFAULT_SECURITY = Security()
 DEFAULT_CHUNK_MB = 16.0
 
 
-class RelayRoot:
+class RelayRoot(Lifecycle):
     """Carries every version of a bus on this host to the relays of other hosts.
 
     It joins the bus as an ordinary alias-mode subscriber (worker id `worker_id`), so the
@@ -174,7 +174,6 @@ class RelayRoot:
             chunk_bytes=self._chunk_bytes,
         )
         self._carrier: Carrier | None = None  # made by start()
-        self._state = "new"
         self._stopping = threading.Event()
         self._resources = contextlib.ExitStack()
         self._store: Any = None
@@ -207,9 +206,7 @@ class RelayRoot:
                 serves it, or the rendezvous port is taken.
             ClosedError: closed already (create a new one).
         """
-        if self._state == "closed":
-            raise ClosedError(f"RelayRoot {self.name!r} is closed; create a new one")
-        if self._state == "started":
+        if not self._starting():
             return self
         with contextlib.ExitStack() as stack:
             self.address = self._address_arg or _config.default_address(self.name)
@@ -275,9 +272,7 @@ class RelayRoot:
             self._thread.start()
             stack.callback(self._stop_thread)
             self._resources = stack.pop_all()
-        self._state = "started"
-        self._pid = os.getpid()
-        _lifecycle.track(self)
+        self._started()
         log.info(
             "relay root %s for bus %r at %s (rendezvous %s:%d, %s, ack=%s)",
             self.tree,
@@ -292,11 +287,7 @@ class RelayRoot:
 
     def close(self) -> None:
         """Tell the relays, leave the bus, drop the group and the rendezvous. Idempotent."""
-        if self._state != "started":
-            self._state = "closed"
-            return
-        self._state = "closed"
-        if os.getpid() != self._pid:
+        if not self._closing():
             return
         self._stopping.set()
         with self._cond:
@@ -304,24 +295,18 @@ class RelayRoot:
         self._resources.close()
         log.info("relay root %s closed at version %d", self.tree, self._membership.version)
 
+    def _title(self) -> str:
+        return f"RelayRoot {self.name!r}"
+
     def __enter__(self) -> RelayRoot:
         return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        if getattr(self, "_state", "closed") == "started":
-            warnings.warn(f"unclosed {self!r}", ResourceWarning, stacklevel=1)
-            with contextlib.suppress(Exception):
-                self.close()
 
     def __repr__(self) -> str:
         m = self._membership
         active = sum(r.state == "active" for r in m.members.values())
         return (
             f"<RelayRoot {self.name!r} v{m.version} gen {m.gen} {active} relays "
-            f"ack={self._ack} {self._state}>"
+            f"ack={self._ack} {self._state.value}>"
         )
 
     def _drop_store(self) -> None:
