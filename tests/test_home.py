@@ -52,7 +52,7 @@ def test_a_publish_announces_the_home_and_moves_the_trainer_to_the_claimed_slot(
         zmqsync.Publisher(model, name=name, slots=2, writes=zmqsync.Copy(flat=True)) as pub,
         zmqsync.Subscriber(name=name, mode="copy") as sub,
     ):
-        slots, registry = pub._mode.bound.slots, pub._registry
+        slots, registry = pub._mode.bound.slots, pub._role.registry
         assert slots.count == 3 and pub.max_lag_allowed == 1, "one slot more, the same room"
         home = _home(pub)
         assert home.slot == 1 and registry.home == 1
@@ -106,7 +106,7 @@ def test_a_tensor_that_leaves_ends_the_home_and_frees_its_slot(name, caplog):
         with caplog.at_level("WARNING", logger="zmqsync"):
             p = pub.publish()
         assert "blocks.2.0.weight" in caplog.text and pub._mode._block is None
-        assert pub._registry.home is None
+        assert pub._role.registry.home is None
         assert all(not start <= t.data_ptr() < end for t in flatten(model).values())
         assert sub.wait_for_version(p.version, timeout=10)
         assert digest(flatten(sub.weights)) == digest(flatten(model))
@@ -202,7 +202,7 @@ def test_one_slot_keeps_the_block_private_so_alias_workers_never_stall_a_publish
         zmqsync.Publisher(model, name=name, slots=1, writes=zmqsync.Copy(flat=True)) as pub,
         zmqsync.Subscriber(name=name, model=Many(blocks=3), mode="alias") as aliaser,
     ):
-        assert pub._mode.bound.slots.count == 1 and pub._registry.home is None
+        assert pub._mode.bound.slots.count == 1 and pub._role.registry.home is None
         assert pub._mode._block is not None and not isinstance(pub._mode._block, HomeBlock)
         for v in range(1, 4):
             with torch.no_grad():

@@ -256,7 +256,7 @@ def test_the_all_acked_check_agrees_with_missing_whatever_the_order(name):
         return Hello(pub.bus_id, w, 1, "h", "copy", "cpu", "", "", f"{process:032x}")
 
     with zmqsync.Publisher({"w": torch.zeros(4)}, name=name, heartbeat=30) as pub:
-        reg, rng = pub._registry, random.Random(7)
+        reg, rng = pub._role.registry, random.Random(7)
         for trial in range(50):
             with pub._shared.cond:
                 for w in list(reg.members):
@@ -267,7 +267,7 @@ def test_the_all_acked_check_agrees_with_missing_whatever_the_order(name):
                 version = reg.latest + 1
                 reg.record(version, 0)
                 targets = reg.meant(ids)
-                ready = pub._acks._all_acked(version, targets)
+                ready = pub._role.all_acked(version, targets)
                 events = [("ack", w) for w in ids]
                 events += [("leave", w) for w in rng.sample(ids, rng.randint(0, len(ids)))]
                 if trial % 3 == 0:

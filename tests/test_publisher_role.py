@@ -48,7 +48,7 @@ def role(**options) -> PublisherRole:
         new_session=lambda: next(sessions),
     )
     r = PublisherRole(**{**settings, **options})
-    r.registry.record(0, 0)
+    r.record(0, 0)
     r.endpoints = Endpoints("ipc:///r/t.sock.events", "ipc:///r/t.sock.acks", "", (CPU,))
     return r
 
@@ -209,7 +209,7 @@ def test_a_first_word_may_take_longer_on_a_bus_of_many_tensors():
 def test_worker_messages_count_only_with_the_current_session():
     r = role()
     welcome, _ = join(r)
-    r.registry.record(1, 1)
+    r.record(1, 1)
     assert r.on_worker_message(Ack(BUS, "w", welcome.session, 1), 1.0)
     assert not r.on_worker_message(Ack(BUS, "w", "f" * 16, 1), 1.0)
     assert not r.on_worker_message(Heartbeat(BUS, 0, "w", "f" * 16, 1), 1.0)
@@ -289,3 +289,50 @@ def test_evictions_are_counted():
     join(r, "b")
     assert [m.worker_id for m in r.evict(["a", "zz"], now=0.0)] == ["a"]
     assert r.counters["evictions"] == 1 and list(r.registry.members) == ["b"]
+
+
+def test_a_publish_is_booked_through_the_role():
+    # what AckWait and the Announcer ask, in the order a publish asks it
+    r = role()  # version 0 in slot 0, recorded without counting a publish
+    a, _ = join(r, "a")
+    b, _ = join(r, "b", mode="alias")
+    assert (r.latest, r.counters["publishes"], r.applied_workers()) == (0, 0, 0)
+    targets = r.targets()
+    assert [w for w, _ in targets] == ["a", "b"]
+    assert r.targets(["b", "x"]) == (targets[1], ("x", "")), "x: whoever holds it then"
+    assert (r.copy_readers(), r.alias_readers(), r.cpu_readers()) == (True, True, True)
+    assert r.free_slot() == 1 and r.holders(1) == []
+    r.published(1, 1, written=16)
+    assert (r.latest, r.counters["publishes"], r.counters["written_bytes"]) == (1, 1, 16)
+    ready = r.all_acked(1, targets)
+    assert not ready() and r.missing(1, targets) == ["a", "b"] and r.acked(1, targets) == []
+    assert r.lags(1, targets) == {"a": 2, "b": 2}  # welcomed at 0: about to replace -1
+    assert r.on_ack("a", a.session, 1, 1.0) and not ready()
+    assert r.on_ack("b", b.session, 1, 1.0) and ready()
+    assert r.acked(1, targets) == ["a", "b"] and r.lags(1, targets) == {"a": 0, "b": 0}
+    assert r.applied_workers() == 2 and r.infos(100.0)["b"].last_seen == 101.0
+    assert r.member("b", b.session).acked == 1 and r.member("b", "f" * 16) is None
+    assert r.free_slot() == 0, "b computes with version 1 (alias): slot 1 is pinned"
+    r.published(2, 0, written=16)
+    assert r.free_slot() is None and r.holders(0) == ["a", "b"] and r.holders(1) == ["b"]
+    assert r.blockers() == ["a", "b"], "the holders of the slot fewest workers pin"
+    r.timed_out()
+    assert [m.worker_id for m in r.evict(r.blockers(), 2.0)] == ["a", "b"]
+    assert (r.counters["timeouts"], r.counters["evictions"], dict(r.members)) == (1, 2, {})
+
+
+def test_what_the_agent_counts_goes_through_the_role():
+    r = role()
+    r.count("rejected")
+    r.count("rejected", 2)
+    r.count("dropped_peers", 0)  # counted, as a drain that dropped nobody counts it
+    assert dict(r.counters) == {"rejected": 3, "dropped_peers": 0}
+
+
+def test_the_trainers_home_slot_is_never_handed_out():
+    r = role()
+    join(r, "w")  # welcomed at version 0: it reads slot 0
+    r.reserve_home(1)
+    assert r.free_slot() is None, "slot 0 is being read, slot 1 is the trainer's home"
+    r.reserve_home(None)
+    assert r.free_slot() == 1

@@ -33,7 +33,7 @@ class AckWait:
     """A started publisher's waits on its workers, shared by every `Publish` handle.
 
     Args:
-        shared: what the publisher shares with its agent (registry, locks, failure).
+        shared: what the publisher shares with its agent (the role, locks, failure).
         agent: the agent thread that owns the sockets (for collecting and evicting).
         on_timeout: "raise" or "evict" (see the module doc).
         timeout: the publisher's default deadline, for a handle's ``wait()``.
@@ -44,7 +44,7 @@ class AckWait:
         self._shared = shared
         self._agent = agent
         self._on_timeout = on_timeout
-        self._registry = shared.role.registry
+        self._role = shared.role  # the publish bookkeeping: asked under `_cond`
         self._cond = shared.cond
         self._name = shared.role.name
         self.closed = False  # set by Publisher.close(): waits stop with ClosedError
@@ -53,15 +53,15 @@ class AckWait:
 
     def acked(self, version: int, targets: tuple[Meant, ...]) -> tuple[str, ...]:
         with self._cond:
-            return tuple(self._registry.acked(version, targets))
+            return tuple(self._role.acked(version, targets))
 
     def missing(self, version: int, targets: tuple[Meant, ...]) -> list[str]:
         with self._cond:
-            return self._registry.missing(version, targets)
+            return self._role.missing(version, targets)
 
     def lags(self, version: int, targets: tuple[Meant, ...]) -> dict[str, int]:
         with self._cond:
-            return self._registry.lags(version, targets)
+            return self._role.lags(version, targets)
 
     def wait(
         self, version: int, targets: tuple[Meant, ...], deadline: Deadline, max_lag: int = 0
@@ -71,49 +71,51 @@ class AckWait:
         others). A target that leaves the bus, or is dropped as silent, is not waited for.
         """
         floor = version - max_lag
-        self.until(self._all_acked(floor, targets), deadline)
+        role = self._role
+        self.until(role.all_acked(floor, targets), deadline)
         with self._cond:
-            if missing := self._registry.missing(floor, targets):
+            if missing := role.missing(floor, targets):
                 self.check()
-                acked = self._registry.acked(floor, targets)
+                acked = role.acked(floor, targets)
                 what = (
                     "did not ack" if max_lag == 0 else f"did not apply v{floor} (max_lag={max_lag})"
                 )
                 self.expired(version, acked, missing, what)
-            return tuple(self._registry.acked(floor, targets))
+            return tuple(role.acked(floor, targets))
 
     def took(self, seconds: float) -> None:
         """A publish ended (every target acked, or the late ones were evicted) `seconds`
         after publish() was called: count it in the publish histogram (metrics)."""
-        self._shared.role.took(seconds)
+        self._role.took(seconds)
 
     def blocked(self, seconds: float, *, in_step: bool = False) -> None:
         """The training thread waited `seconds` for a version, inside publish() or (with
         `in_step`) in an optimizer step: count it for the metrics."""
-        self._shared.role.blocked(seconds, in_step)
+        self._role.blocked(seconds, in_step)
 
     # --- slots -----------------------------------------------------------------------
 
     def free_slot(self) -> int | None:
         """A slot no worker holds now, or None."""
         with self._cond:
-            return self._registry.free_slot()
+            return self._role.free_slot()
 
     def is_free(self, slot: int) -> bool:
         """Whether no worker holds `slot`."""
         with self._cond:
-            return not self._registry.holders(slot)
+            return not self._role.holders(slot)
 
     def claim_slot(self, deadline: Deadline) -> int:
         """A slot no worker holds, waiting for acks to release one if need be."""
+        role = self._role
         with self._cond:  # the common case: a slot is free now
-            slot = self._registry.free_slot()
+            slot = role.free_slot()
         if slot is not None:
             return slot
         free: list[int | None] = [None]
 
         def found() -> bool:
-            free[0] = self._registry.free_slot()
+            free[0] = role.free_slot()
             return free[0] is not None
 
         while True:
@@ -122,8 +124,7 @@ class AckWait:
                 if found():
                     return free[0]  # type: ignore[return-value]
                 self.check()
-                blockers = self._registry.blockers()
-                self.expired(self._registry.latest + 1, (), blockers, "still hold every slot")
+                self.expired(role.latest + 1, (), role.blockers(), "still hold every slot")
 
     # --- the wait itself -------------------------------------------------------------
 
@@ -163,36 +164,9 @@ class AckWait:
                     if not ready():
                         cond.wait(deadline.wait_s(FAST_COLLECT_S))
 
-    def _all_acked(self, version: int, targets: tuple[Meant, ...]) -> Callable[[], bool]:
-        """A check, asked after every ack (under the condition), of whether no target is
-        missing.
-
-        Asking `Registry.missing` each time costs O(targets) per ack, O(N^2) per publish
-        (64 workers: 4,096 lookups). This one keeps the targets not yet seen done and looks
-        at the last of them: one lookup per ack while it has not acked, each target
-        dropped once. Acks only grow and members only leave, so a dropped target stays
-        done, except one that re-joins meanwhile: the full check runs once at the end.
-        """
-        registry, pending = self._registry, list(targets)
-
-        def ready() -> bool:
-            members = registry.members
-            while pending:
-                worker_id, process = pending[-1]
-                member = members.get(worker_id)
-                if member is not None and member.acked < version:
-                    if not process or member.process == process:
-                        return False
-                pending.pop()
-            missing = set(registry.missing(version, targets))
-            pending.extend(t for t in targets if t[0] in missing)
-            return not pending
-
-        return ready
-
     def expired(self, version: int, acked: Iterable[str], missing: list[str], what: str) -> None:
         """The deadline passed with `missing` workers late (caller holds the condition)."""
-        self._shared.role.counters["timeouts"] += 1
+        self._role.timed_out()
         if self._on_timeout == "raise":
             raise PublishTimeout(
                 f"version {version}: {len(missing)} worker(s) {what} in time "
@@ -202,7 +176,7 @@ class AckWait:
                 acked=acked,
                 missing=missing,
             )
-        evicted = self._shared.role.evict(missing, time.monotonic())
+        evicted = self._role.evict(missing, time.monotonic())
         log.info(
             "evicted %d worker(s) at version %d: %s", len(evicted), version, ", ".join(missing)
         )

@@ -1,8 +1,8 @@
-"""Making a written version known: recorded in the registry, then RECEIVE on the events
-socket, sent from the thread that wrote it.
+"""Making a written version known: recorded by the publisher's role, then RECEIVE on the
+events socket, sent from the thread that wrote it.
 
 Every write mode ends a version here, the background writer of `Overlapped` included,
-so the order "bytes in place → header says so → registry → RECEIVE" is kept in one place.
+so the order "bytes in place → header says so → role → RECEIVE" is kept in one place.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ class Announcer:
 
     def __init__(self, shared: Shared, agent: Agent, layout: Layout, bus_id: str) -> None:
         self._shared = shared
+        self._role = shared.role  # asked under `shared.cond`
         self._agent = agent
         self._specs = layout.specs
         # (seq, version, slot, changed) -> frame
@@ -32,20 +33,17 @@ class Announcer:
         """`version` is in `slot`; writing it copied `written` bytes into the slot (the
         ``written_bytes`` counter: a partial publish writes less than a version)."""
         with self._shared.cond:
-            self._shared.role.registry.record(version, slot)
-            counters = self._shared.role.counters
-            counters["publishes"] += 1
-            counters["written_bytes"] += written
+            self._role.published(version, slot, written)
 
     def copy_readers(self) -> bool:
-        """Whether a copy-mode worker is on the bus (`Registry.copy_readers`)."""
+        """Whether a copy-mode worker is on the bus (`PublisherRole.copy_readers`)."""
         with self._shared.cond:
-            return self._shared.role.registry.copy_readers()
+            return self._role.copy_readers()
 
     def reserve(self, slot: int | None) -> None:
         """`slot` is the trainer's home from now on (None: none): see `Registry.reserve`."""
         with self._shared.cond:
-            self._shared.role.registry.reserve(slot)
+            self._role.reserve_home(slot)
 
     def size_of(self, named: frozenset[Key] | None) -> int:
         """Bytes of the tensors `named` (None: all), in the slots' dtypes: computed once
@@ -62,7 +60,7 @@ class Announcer:
     def send(self, version: int, slot: int, named: frozenset[Key] | None) -> None:
         """Send RECEIVE from this thread (no hand-off to the agent: see `_publisher`)."""
         changed = b"" if named is None else self._changed_bits(named)
-        agent, io, role = self._agent, self._shared.io, self._shared.role
+        agent, io, role = self._agent, self._shared.io, self._role
         if not io.acquire(timeout=IO_LOCK_S):
             raise ZmqSyncError(f"publisher {role.name!r}: its agent thread is stuck; close it")
         try:
@@ -74,11 +72,11 @@ class Announcer:
 
     def needs_mirror(self) -> bool:
         """Whether a worker reading the CPU copy of CUDA weights is on the bus."""
-        shared = self._shared
-        if not shared.role.cuda:
+        role = self._role
+        if not role.cuda:
             return False
-        with shared.cond:
-            return any(m.transport == "cpu" for m in shared.role.registry.members.values())
+        with self._shared.cond:
+            return role.cpu_readers()
 
     def _changed_bits(self, named: frozenset[Key]) -> bytes:
         """RECEIVE's bitmap of `named` over the manifest (bit i: entry i), computed once

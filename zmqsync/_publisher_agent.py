@@ -374,9 +374,7 @@ class Agent:
                     next_beat = now + beat
             finally:
                 io.release()
-            if self._closing is not None and (
-                self._closing.expired() or not self.role.registry.members
-            ):
+            if self._closing is not None and (self._closing.expired() or not self.role.members):
                 return
 
     def _bus_sockets(self) -> list[zmq.Socket[bytes]]:
@@ -715,7 +713,7 @@ class Agent:
     def _on_worker_message(self, msg: Message, now: float) -> bool:
         """Apply one worker message (caller holds `cond`); True if waiters should look.
         A STOP for a dropped session still beating is sent by `_send_stops`, after."""
-        left = self.role.registry.find(msg.worker_id, msg.session) if type(msg) is Bye else None
+        left = self.role.member(msg.worker_id, msg.session) if type(msg) is Bye else None
         changed = self.role.on_worker_message(msg, now)
         if changed and left is not None:  # a warning if it never applied a version
             level, note = departure(left)
@@ -740,7 +738,7 @@ class Agent:
             lost = role.drop_silent(now, unread=self._unread)
             if lost:
                 self.shared.cond.notify_all()
-            members = role.registry.members
+            members = role.members
             gone = [wid for wid in self._member_peers if wid not in members]
         for wid in gone:
             del self._member_peers[wid]
@@ -781,12 +779,12 @@ class Agent:
         self.gate.drained(endpoint, mark, emptied)
         if rejected:
             with self.shared.lock:
-                self.role.counters["rejected"] += rejected
-                self.role.counters["dropped_peers"] += dropped
+                self.role.count("rejected", rejected)
+                self.role.count("dropped_peers", dropped)
 
     def _count(self, what: str) -> None:
         with self.shared.lock:
-            self.role.counters[what] += 1
+            self.role.count(what)
 
 
 def _peer_address(frame: zmq.Frame) -> str:

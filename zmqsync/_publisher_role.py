@@ -26,6 +26,11 @@ comes back. The rules, in the order a worker meets them:
   manifest of many tensors, for its handshake), counted once what workers sent is read.
 * **Events** are numbered here (`seq`): whoever sends them holds the lock that orders
   the sends on the events socket, and takes the next number under it.
+* **Publishes** ask the role, never its registry: a slot to write (`free_slot`,
+  `holders`, `blockers`), the version written (`published`), who acked or is missing
+  (`acked`, `missing`, `lags`, `all_acked`), and what a deadline costs (`timed_out`,
+  `evict`). The registry is the role's alone, and so are its counters: every other
+  module bumps one through a method of the role.
 
 Not thread-safe on its own: callers hold the publisher's registry lock for everything
 that reads or changes the registry, and its sockets lock for `seq`.
@@ -36,9 +41,8 @@ from __future__ import annotations
 import dataclasses
 import secrets
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
-from ._buffers.transport import registered
 from ._config import FIRST_WORD_PER_TENSOR_S, FIRST_WORD_S, LOST_AFTER_BEATS, RESERVE_MIN_S
 from ._errors import ProtocolError
 from ._handshake_queue import HandshakeQueue
@@ -56,7 +60,8 @@ from ._protocol import (
     Welcome,
     WorkerState,
 )
-from ._registry import Member, Registry
+from ._registration import registered
+from ._registry import Meant, Member, Registry, WorkerInfo
 
 __all__ = ["Endpoints", "PublisherRole", "per_peer_default"]
 
@@ -313,6 +318,125 @@ class PublisherRole:
     def stop_for(self, session: str, reason: str) -> Stop:
         """A STOP for one session (evicted, silent, replaced): the next event."""
         return Stop(self.bus_id, self.next_seq(), session, reason)
+
+    # --- publishes ------------------------------------------------------------------
+
+    @property
+    def latest(self) -> int:
+        """The last version recorded (-1 before the first)."""
+        return self.registry.latest
+
+    @property
+    def members(self) -> Mapping[str, Member]:
+        """The workers on the bus, by worker id: to read (the role changes them)."""
+        return self.registry.members
+
+    def member(self, worker_id: str, session: str) -> Member | None:
+        """The member with this id and session (None for a stale or unknown one)."""
+        return self.registry.find(worker_id, session)
+
+    def targets(self, worker_ids: Iterable[str] | None = None) -> tuple[Meant, ...]:
+        """A publish's targets: the workers named (None: every member), each with the
+        process that holds its id now (see `Registry.meant`)."""
+        registry = self.registry
+        return registry.meant(registry.members if worker_ids is None else worker_ids)
+
+    def record(self, version: int, slot: int) -> None:
+        """`version` is in `slot` and the latest, with no publish counted (version 0,
+        written before the bus starts)."""
+        self.registry.record(version, slot)
+
+    def published(self, version: int, slot: int, written: int) -> None:
+        """A publish wrote `version` into `slot`, copying `written` bytes there (the
+        ``written_bytes`` counter: a partial publish writes less than a version)."""
+        self.registry.record(version, slot)
+        counters = self.counters
+        counters["publishes"] += 1
+        counters["written_bytes"] += written
+
+    def reserve_home(self, slot: int | None) -> None:
+        """`slot` is the trainer's home from now on (None: none): see `Registry.reserve`."""
+        self.registry.reserve(slot)
+
+    def free_slot(self) -> int | None:
+        """A slot no worker holds now, oldest version first; None if all are held."""
+        return self.registry.free_slot()
+
+    def holders(self, slot: int) -> list[str]:
+        """The workers that stop `slot` from being written."""
+        return self.registry.holders(slot)
+
+    def blockers(self) -> list[str]:
+        """The workers to blame (or evict) when no slot is free (`Registry.blockers`)."""
+        return self.registry.blockers()
+
+    def alias_readers(self) -> bool:
+        """Whether an alias-mode worker is on the bus (each pins one slot more)."""
+        return self.registry.alias_readers()
+
+    def copy_readers(self) -> bool:
+        """Whether a copy-mode worker is on the bus (`Registry.copy_readers`)."""
+        return self.registry.copy_readers()
+
+    def cpu_readers(self) -> bool:
+        """Whether a worker reads the CPU segment (of CUDA weights: it needs the mirror)."""
+        return any(m.transport == "cpu" for m in self.registry.members.values())
+
+    def applied_workers(self) -> int:
+        """Members that acked a version."""
+        return sum(m.acked >= 0 for m in self.registry.members.values())
+
+    def infos(self, wall_offset: float) -> dict[str, WorkerInfo]:
+        """`Publisher.workers`: a snapshot of every member, times on the wall clock."""
+        return self.registry.infos(wall_offset)
+
+    def acked(self, version: int, targets: tuple[Meant, ...]) -> list[str]:
+        """Targets whose process acked `version` (see `Registry.acked`)."""
+        return self.registry.acked(version, targets)
+
+    def missing(self, version: int, targets: tuple[Meant, ...]) -> list[str]:
+        """Targets still on the bus that have not acked `version`."""
+        return self.registry.missing(version, targets)
+
+    def lags(self, version: int, targets: tuple[Meant, ...]) -> dict[str, int]:
+        """How many versions each target still on the bus is behind `version`."""
+        return self.registry.lags(version, targets)
+
+    def all_acked(self, version: int, targets: tuple[Meant, ...]) -> Callable[[], bool]:
+        """A check, asked after every ack (under the registry lock), of whether no target
+        is missing `version`.
+
+        Asking `missing` each time costs O(targets) per ack, O(N^2) per publish (64
+        workers: 4,096 lookups). This one keeps the targets not yet seen done and looks
+        at the last of them: one lookup per ack while it has not acked, each target
+        dropped once. Acks only grow and members only leave, so a dropped target stays
+        done, except one that re-joins meanwhile: the full check runs once at the end.
+        """
+        registry, pending = self.registry, list(targets)
+
+        def ready() -> bool:
+            members = registry.members
+            while pending:
+                worker_id, process = pending[-1]
+                member = members.get(worker_id)
+                if member is not None and member.acked < version:
+                    if not process or member.process == process:
+                        return False
+                pending.pop()
+            missing = set(registry.missing(version, targets))
+            pending.extend(t for t in targets if t[0] in missing)
+            return not pending
+
+        return ready
+
+    def timed_out(self) -> None:
+        """A publish's deadline passed with workers late (the ``timeouts`` counter)."""
+        self.counters["timeouts"] += 1
+
+    def count(self, what: str, n: int = 1) -> None:
+        """Add `n` to the counter `what`: what the agent's socket loop counts itself
+        (frames rejected before they reach the role, peers dropped, tap frames lost)."""
+        self.counters[what] += n
 
     def took(self, seconds: float) -> None:
         """A publish ended (its last ack, or its deadline with on_timeout="evict")

@@ -256,7 +256,7 @@ def test_cpu_worker_reads_the_cpu_copy_made_only_while_it_is_there(fake_gpu, nam
     fake_gpu()
     with zmqsync.Publisher(weights(0), name=name) as pub:
         pub.publish(weights=weights(1))  # nobody reads the CPU copy: not written
-        slot = pub._registry.slot_of(1)
+        slot = pub._role.registry.slot_of(1)
         assert not pub._mode.bound.slots.mirrored[slot]
         assert not pub._mode.bound.slots.views(slot)[("w",)].any()
         model = {k: torch.zeros_like(t) for k, t in weights(0).items()}
@@ -273,7 +273,7 @@ def test_cpu_worker_reads_the_cpu_copy_made_only_while_it_is_there(fake_gpu, nam
         while pub.workers and time.monotonic() < deadline:  # its BYE is handled
             time.sleep(0.01)
         pub.publish(weights=weights(4))  # it left: the CPU copy is no longer kept
-        assert not pub._mode.bound.slots.mirrored[pub._registry.slot_of(4)]
+        assert not pub._mode.bound.slots.mirrored[pub._role.registry.slot_of(4)]
         assert pub.counters["handshakes"] == 1
 
 

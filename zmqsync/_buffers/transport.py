@@ -19,7 +19,9 @@ says (`normalize_uuid`, `local_index`).
 
 Both sides agree on what a HELLO registers through `registered`: the publisher records
 a worker's transport with it, and a subscriber whose decision after WELCOME differs
-from what its HELLO registered says so in a second HELLO (see ``_subscriber.py``).
+from what its HELLO registered says so in a second HELLO (see ``_subscriber.py``). It
+lives in ``zmqsync/_registration.py`` (re-exported here), outside this package, whose
+``__init__`` loads torch: the publisher's role loads no tensors.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ import re
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+
+from .._registration import CPU_PUBLISHER, NOTE_MAX, Decision, clip_note, registered
 
 __all__ = [
     "CPU_PUBLISHER",
@@ -51,20 +54,11 @@ __all__ = [
 ]
 
 IPC_HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t)
-NOTE_MAX = 256  # Hello.transport_note / WorkerState.transport_note
 _SHAREABLE_CUDA_MALLOC = ord("c")  # torch's handle type byte for a plain cudaMalloc block
 _SHAREABLE_EXPANDABLE = ord("e")  # ... and for an expandable segment (file descriptors)
 
 NO_GPU = "no GPU visible in this process (torch.cuda.is_available() is False)"
-CPU_PUBLISHER = "the bus carries CPU weights: the worker copies them to its own device"
 DISABLED = "CUDA IPC disabled by ZMQSYNC_CUDA_IPC=0"
-
-
-class Decision(NamedTuple):
-    """A transport ("cuda" or "cpu") and, for a fallback, the reason (else "")."""
-
-    transport: str
-    reason: str
 
 
 @dataclass(frozen=True)
@@ -98,10 +92,6 @@ class Facts:
     open_error: str = ""
 
 
-def _note(text: str) -> str:
-    return text if len(text) <= NOTE_MAX else text[: NOTE_MAX - 3] + "..."
-
-
 def initial_transport(prefers: str, cuda_available: bool, ipc_disabled: bool = False) -> Decision:
     """What a HELLO asks for, before the subscriber knows anything of the bus."""
     if prefers not in ("cuda", "cpu", "any"):
@@ -113,17 +103,6 @@ def initial_transport(prefers: str, cuda_available: bool, ipc_disabled: bool = F
     if ipc_disabled:
         return Decision("cpu", DISABLED)
     return Decision("cuda", "")
-
-
-def registered(transport: str, note: str, bus_has_cuda: bool) -> Decision:
-    """The (transport, note) the publisher records for a HELLO.
-
-    On a bus without CUDA buffers every worker reads the CPU segment: one that asked for
-    "cuda" copies host-to-device itself (and is told so); a note about CUDA is noise.
-    """
-    if bus_has_cuda:
-        return Decision(transport, _note(note))
-    return Decision("cpu", CPU_PUBLISHER if transport == "cuda" else "")
 
 
 def choose_transport(facts: Facts) -> Decision:
@@ -141,11 +120,11 @@ def choose_transport(facts: Facts) -> Decision:
         return Decision("cpu", note)
     if not facts.has_handle:
         why = facts.ipc_note or "no reason given"
-        return Decision("cpu", _note(f"the publisher offers no CUDA IPC handle: {why}"))
+        return Decision("cpu", clip_note(f"the publisher offers no CUDA IPC handle: {why}"))
     if facts.local_index is None:
         return Decision(
             "cpu",
-            _note(
+            clip_note(
                 f"the publisher's GPU {facts.device_uuid or '(no uuid)'} is not visible in "
                 "this process (CUDA_VISIBLE_DEVICES, or the container's device list)"
             ),
@@ -153,14 +132,14 @@ def choose_transport(facts: Facts) -> Decision:
     if facts.pid_ns and facts.publisher_pid_ns and facts.pid_ns != facts.publisher_pid_ns:
         return Decision(
             "cpu",
-            _note(
+            clip_note(
                 f"the publisher runs in another PID namespace (pid:[{facts.publisher_pid_ns}], "
                 f"here pid:[{facts.pid_ns}]); CUDA IPC needs a shared one "
                 "(docker --pid=host, or pid: service:<trainer>)"
             ),
         )
     if facts.open_error:
-        return Decision("cpu", _note(f"opening the CUDA IPC handle failed: {facts.open_error}"))
+        return Decision("cpu", clip_note(f"opening the CUDA IPC handle failed: {facts.open_error}"))
     return Decision("cuda", "")
 
 
