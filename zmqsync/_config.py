@@ -39,6 +39,9 @@ __all__ = [
     "FIRST_WORD_PER_TENSOR_S",
     "FIRST_WORD_S",
     "REJOIN_MIN_S",
+    "RESERVE_MIN_S",
+    "AGENT_START_S",
+    "FIRST_APPLY_S",
     "MAX_MESSAGE_BYTES",
     "check_name",
     "default_worker_id",
@@ -111,6 +114,10 @@ FD_RESERVE_MIN = 64  # file descriptors kept free of connections for the process
 CONTROL_CONNECTIONS = 64  # open at once; a new one closes the oldest (see _connections)
 CLOSE_BYE_WAIT_S = 0.5  # how long close() waits for BYEs after STOP
 THREAD_JOIN_S = 5.0  # how long close() waits for a background thread
+AGENT_START_S = 10.0  # how long start() waits for an agent thread to bind its sockets
+# A subscriber's start(): beyond its handshake deadline, how long the first apply may
+# take (a big model copied or mapped and checked on a loaded host).
+FIRST_APPLY_S = 30.0
 
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
 _IPC_PATH_MAX = 107  # sun_path is 108 bytes including the NUL

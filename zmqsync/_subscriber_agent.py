@@ -185,9 +185,9 @@ class Agent:
         if waiting is not None and not self._started.wait(deadline.wait_s(WAITING_NOTE_S)):
             if not self._answered and not deadline.expired():
                 waiting()
-        # The handshake itself is bounded by `deadline`; the margin covers the apply.
+        # The handshake itself is bounded by `deadline`; FIRST_APPLY_S covers the apply.
         margin = deadline.remaining()
-        self._started.wait(None if margin is None else margin + 30.0)
+        self._started.wait(None if margin is None else margin + _config.FIRST_APPLY_S)
         if self._startup is not None or not self._started.is_set():
             failure = self._startup or ConnectTimeout("subscriber did not start in time")
             self.stop()

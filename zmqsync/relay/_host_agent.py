@@ -26,11 +26,12 @@ import torch.distributed as dist
 import zmq
 
 from .. import _config
+from .._agent_thread import AgentThread
 from .._deadline import Deadline
 from .._errors import ConnectTimeout, ProtocolError
 from .._protocol import WorkerState
 from .._publisher import Publisher
-from .._sockets import connect, post
+from .._sockets import connect
 from ._messages import (
     MAX_RELAY_WORKERS,
     RELAY,
@@ -51,6 +52,7 @@ from ._root_agent import ROOT_CLOSED
 __all__ = ["Holding", "Inbox", "RelayAgent"]
 
 log = logging.getLogger(__name__)
+BYE_S = 2.0  # what a relay's stop waits beyond THREAD_JOIN_S: its BYE to the root
 
 # What the data thread is told: a message from the root with the store its group is
 # built on, or "lost" (the root is gone or ended our session) or "stop".
@@ -97,8 +99,9 @@ def local_workers(pub: Publisher | None) -> tuple[WorkerState, ...]:
     )
 
 
-class RelayAgent:
-    """The thread that owns the relay's DEALER (see the module doc).
+class RelayAgent(AgentThread):
+    """The thread that owns the relay's DEALER (see the module doc); its thread, pipe and
+    stop are `AgentThread`'s (the stop waits BYE_S more: the relay says BYE first).
 
     Args:
         relay_id, name: the relay's id on the tree, the bus name (the store's keys).
@@ -121,10 +124,12 @@ class RelayAgent:
         inbox: Inbox,
         counters: Counter[str],
     ) -> None:
+        super().__init__(
+            f"zmqsync-relay-ctl-{name}", "relay agent", stop_s=_config.THREAD_JOIN_S + BYE_S
+        )
         self.relay_id, self.name, self.host, self.port = relay_id, name, host, port
         self.heartbeat = heartbeat
         self.holding, self.inbox, self.counters = holding, inbox, counters
-        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self.dealer: zmq.Socket[bytes] | None = None
         self.store: Any = None
         self.data_endpoint = ""  # the root's data ROUTER (the data and wait threads connect)
@@ -135,14 +140,6 @@ class RelayAgent:
         self._next_attempt = 0.0
         self._accepted = threading.Event()
         self._reports: queue.SimpleQueue[Callable[[str], Report]] = queue.SimpleQueue()
-        self._pipe_lock = threading.Lock()
-        self._pipe_in = self.ctx.socket(zmq.PAIR)
-        self._pipe_in.linger = 0
-        self._pipe_addr = f"inproc://zmqsync-relay-{id(self)}"
-        self._pipe_in.bind(self._pipe_addr)
-        self._thread = threading.Thread(
-            target=self._run, name=f"zmqsync-relay-ctl-{name}", daemon=True
-        )
 
     @property
     def silent_after(self) -> float:
@@ -158,7 +155,7 @@ class RelayAgent:
         Raises:
             ConnectTimeout: no root accepted it before `deadline`.
         """
-        self._thread.start()
+        super().start()
         if not self._accepted.wait(deadline.wait_s()):
             raise ConnectTimeout(
                 f"no relay root accepted relay {self.relay_id!r} at "
@@ -172,34 +169,13 @@ class RelayAgent:
         self._poke(b"r")
 
     def _poke(self, cmd: bytes) -> None:
-        with self._pipe_lock:
-            if not self._pipe_in.closed:
-                post(self._pipe_in, cmd)
-
-    def stop(self) -> None:
-        """Say BYE, close the sockets. Idempotent."""
-        if self._thread.is_alive():
-            self._poke(b"stop")
-            self._thread.join(_config.THREAD_JOIN_S + 2.0)
-            if self._thread.is_alive():
-                log.warning("relay agent thread did not stop within its deadline")
-        with self._pipe_lock:
-            self._pipe_in.close()
-        self.ctx.destroy(linger=0)
+        self.post(cmd)
 
     # --- agent thread ---
 
-    def _run(self) -> None:
-        self.pipe = self.ctx.socket(zmq.PAIR)
-        self.pipe.linger = 0
-        self.pipe.connect(self._pipe_addr)
-        try:
-            self._loop()
-        except BaseException:
-            log.exception("relay agent failed")
-        finally:
-            self._disconnect()
-            self.pipe.close()
+    def _finish(self) -> None:
+        self._disconnect()
+        self.pipe.close()
 
     def _loop(self) -> None:
         next_beat = time.monotonic()

@@ -20,9 +20,10 @@ from typing import Any
 import zmq
 
 from .. import _config
+from .._agent_thread import AgentThread
 from .._errors import ProtocolError, ZmqSyncError
 from .._protocol import Inspect, decode, encode, to_plain
-from .._sockets import bind, connect, post, protect_ipc, sibling_endpoint
+from .._sockets import bind, connect, protect_ipc, sibling_endpoint
 from ._membership import Membership
 from ._messages import RELAY, Beat, Evict, Refuse, RelayMessage, RelayState
 from ._rendezvous import ip
@@ -34,8 +35,9 @@ log = logging.getLogger(__name__)
 ROOT_CLOSED = "relay root closed"  # the EVICT reason that tells relays not to re-join here
 
 
-class RootAgent:
-    """The thread that owns the root's control sockets (see the module doc).
+class RootAgent(AgentThread):
+    """The thread that owns the root's control sockets (see the module doc); its thread,
+    pipe, start and stop are `AgentThread`'s.
 
     Args:
         membership: the tree it feeds; read and changed only under `cond`.
@@ -45,6 +47,8 @@ class RootAgent:
         name: the bus name (thread names, the inspect answer).
         ack: the root's ack mode (the inspect answer).
     """
+
+    router: zmq.Socket[bytes]  # bound by `_bind`, on the agent thread
 
     def __init__(
         self,
@@ -58,83 +62,33 @@ class RootAgent:
     ) -> None:
         self.membership, self.cond = membership, cond
         self.host, self.address, self.name, self.ack = host, address, name, ack
-        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        super().__init__(f"zmqsync-relayroot-ctl-{name}", "relay root agent")
         self.endpoint = ""
         self._inspect_addr = ""
-        self._started = threading.Event()
-        self._failure: BaseException | None = None
-        self._pipe_lock = threading.Lock()
-        self._pipe_in = self.ctx.socket(zmq.PAIR)
-        self._pipe_in.linger = 0
-        self._pipe_addr = f"inproc://zmqsync-relayroot-{id(self)}"
-        self._pipe_in.bind(self._pipe_addr)
-        self._thread = threading.Thread(
-            target=self._run, name=f"zmqsync-relayroot-ctl-{name}", daemon=True
-        )
-
-    def start(self) -> None:
-        """Bind the sockets and run the loop.
-
-        Raises:
-            ZmqSyncError: another relay root answers at the inspect address, or the
-                thread did not start within 10 s.
-            ValueError: the rendezvous host does not resolve.
-        """
-        self._thread.start()
-        if not self._started.wait(10.0) or self._failure is not None:
-            failure = self._failure
-            self.stop()
-            raise failure or ZmqSyncError("relay root agent did not start within 10 s")
+        self.inspect: zmq.Socket[bytes] | None = None
 
     def send_to(self, identity: bytes, msg: RelayMessage) -> None:
         """Send `msg` to the relay whose control DEALER has routing id `identity`."""
-        with self._pipe_lock:
-            if not self._pipe_in.closed and not post(
-                self._pipe_in, b"to", identity, RELAY.encode(msg)
-            ):
-                log.debug("relay root agent gone: %s dropped", msg.TYPE)
-
-    def stop(self) -> None:
-        """Tell the relays the root is going, close the sockets. Idempotent."""
-        if self._thread.is_alive():
-            with self._pipe_lock:
-                if not self._pipe_in.closed:
-                    post(self._pipe_in, b"stop")
-            self._thread.join(_config.THREAD_JOIN_S)
-            if self._thread.is_alive():
-                log.warning("relay root agent thread did not stop within its deadline")
-        with self._pipe_lock:
-            self._pipe_in.close()
-        self.ctx.destroy(linger=0)
+        if not self.post(b"to", identity, RELAY.encode(msg)):
+            log.debug("relay root agent gone: %s dropped", msg.TYPE)
 
     # --- agent thread ---
 
-    def _run(self) -> None:
-        self.pipe = self.ctx.socket(zmq.PAIR)
-        self.pipe.linger = 0
-        self.pipe.connect(self._pipe_addr)
-        self.inspect: zmq.Socket[bytes] | None = None
-        try:
-            self.router = bind(self.ctx, zmq.ROUTER, f"tcp://{ip(self.host)}:*")
-            self.endpoint = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
-            self._bind_inspect()
-        except BaseException as exc:  # reported to start()
-            self._failure = exc
-            self.pipe.close()
-            self._started.set()
-            return
-        self._started.set()
-        try:
-            self._loop()
-        except BaseException:
-            log.exception("relay root agent failed")
-        finally:
-            for sock in (self.pipe, self.router, self.inspect):
-                if sock is not None:
-                    sock.close()
-            if self._inspect_addr:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(self._inspect_addr[len("ipc://") :])
+    def _bind(self) -> None:
+        """The ROUTER for the relays, the inspect REP (raises for start(): another relay
+        root answers at the inspect address; the rendezvous host does not resolve)."""
+        self.router = bind(self.ctx, zmq.ROUTER, f"tcp://{ip(self.host)}:*")
+        self.endpoint = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._bind_inspect()
+
+    def _finish(self) -> None:
+        router = getattr(self, "router", None)  # absent when _bind failed before it
+        for sock in (self.pipe, router, self.inspect):
+            if sock is not None:
+                sock.close()
+        if self._inspect_addr:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._inspect_addr[len("ipc://") :])
 
     def _bind_inspect(self) -> None:
         """REP at ``<bus address>.relay`` (ipc:// buses), where ``zmqsync inspect`` looks."""
