@@ -1,9 +1,10 @@
-"""Smoke test of `zmqsync bench`: a tiny quick grid, end to end, no timing asserts.
+"""Smoke test of the harness (`python -m tools.bench grid`): a tiny quick grid, end to
+end, no timing asserts; and of `zmqsync bench`, the package's small quick check.
 
 It runs the real harness in a subprocess (real worker processes, the raw ZeroMQ, memcpy,
 N+1-copies and naive baselines, torchrl when it is installed, the late join) and checks
-the files it writes and that every row carries numbers. Plots are not drawn here, so the
-suite does not need matplotlib; `tools/bench.py` draws them.
+the files it writes and that every row carries numbers. Plots are not drawn here
+(``--no-plot``), so the suite does not need matplotlib.
 """
 
 from __future__ import annotations
@@ -20,10 +21,11 @@ from pathlib import Path
 
 import pytest
 
-from zmqsync import _bench, _bench_worker
-from zmqsync._bench.config import ROOT as BENCH_ROOT
-from zmqsync._bench.plan import padded_bytes, skip_reason
-from zmqsync._bench.units import GiB
+from tools.bench import grid as _bench
+from tools.bench.grid import worker as _bench_worker
+from tools.bench.grid.config import ROOT as BENCH_ROOT
+from tools.bench.grid.plan import padded_bytes, skip_reason
+from tools.bench.grid.units import GiB
 
 ROOT = Path(__file__).resolve().parent.parent
 HAS_TORCHRL = importlib.util.find_spec("torchrl") is not None
@@ -38,7 +40,7 @@ def _number(x) -> bool:
 def test_quick_grid_smoke(tmp_path):
     out = tmp_path / "bench"
     cmd = [
-        sys.executable, "-m", "zmqsync", "bench", "--quick",
+        sys.executable, "-m", "tools.bench", "grid", "--quick", "--no-plot",
         "--workers", "1,2", "--sizes", "4K,many",
         "--iters-scale", "0.05", "--min-iters", "3", "--phase-seconds", "1",
         "--late-join", "4M", "--torchrl-max-workers", "1",
@@ -117,8 +119,8 @@ def test_plan_skips_points_that_do_not_fit():
 def test_torchrl_phase_skips_a_worker_count_whose_receivers_do_not_fit(tmp_path):
     """One receiver process per worker, each an interpreter with torch and torchrl: a
     count whose processes alone exceed the memory available is skipped, with why."""
-    from zmqsync._bench.results import Results, Row
-    from zmqsync._bench.torchrl_baseline import RECEIVER_BYTES, TorchrlBaseline
+    from tools.bench.grid.results import Results, Row
+    from tools.bench.grid.torchrl_baseline import RECEIVER_BYTES, TorchrlBaseline
 
     cfg = _bench.BenchConfig(mem_budget=64 * GiB, sizes=("4K",))
     memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
@@ -137,10 +139,10 @@ def test_torchrl_phase_counts_a_model_per_receiver(tmp_path):
     """Each torchrl receiver builds its own model: a point whose receivers' processes
     fit but whose models do not is skipped with why (a full grid's LLM-shaped point at
     4 workers was ended by the OOM killer before this was counted)."""
-    from zmqsync._bench.machine import meminfo
-    from zmqsync._bench.plan import SAFETY
-    from zmqsync._bench.results import Results, Row
-    from zmqsync._bench.torchrl_baseline import RECEIVER_BYTES, TorchrlBaseline
+    from tools.bench.grid.machine import meminfo
+    from tools.bench.grid.plan import SAFETY
+    from tools.bench.grid.results import Results, Row
+    from tools.bench.grid.torchrl_baseline import RECEIVER_BYTES, TorchrlBaseline
 
     llm = padded_bytes(_bench.SIZES["llm"])
     room = meminfo()["MemAvailable"] - SAFETY
@@ -158,20 +160,21 @@ def test_torchrl_phase_counts_a_model_per_receiver(tmp_path):
 def test_workers_run_from_the_checkout_the_harness_imports():
     # Workers get ROOT as cwd and first on PYTHONPATH: it must hold this very package.
     assert BENCH_ROOT == ROOT
-    assert (BENCH_ROOT / "zmqsync" / "_bench_worker.py").is_file()
+    assert (BENCH_ROOT / "zmqsync" / "__init__.py").is_file()
+    assert (BENCH_ROOT / "tools" / "bench" / "grid" / "worker.py").is_file()
 
 
 def test_source_digest_changes_with_every_library_file(tmp_path, monkeypatch):
     # A run refuses to mix two versions of the library (SourceChanged): the digest that
     # the harness and every worker compare must change when any library file changes,
-    # in a subpackage as well as at the top. The benchmark's own files are not library.
+    # in a subpackage as well as at the top: every .py of the checkout's zmqsync/.
     copy = tmp_path / "zmqsync"
     shutil.copytree(
         ROOT / "zmqsync", copy, ignore=shutil.ignore_patterns("__pycache__", "*.so", "*.c")
     )
-    monkeypatch.setattr(_bench_worker, "__file__", str(copy / "_bench_worker.py"))
-    bench = {copy / "_bench_worker.py", *(copy / "_bench").rglob("*.py")}
-    library = sorted(p for p in copy.rglob("*.py") if p not in bench)
+    worker = tmp_path / "tools" / "bench" / "grid" / "worker.py"
+    monkeypatch.setattr(_bench_worker, "__file__", str(worker))
+    library = sorted(copy.rglob("*.py"))
     assert any(p.parent != copy for p in library)  # subpackages are in the walk
     before = _bench_worker.source_digest()
     for path in library:
@@ -183,14 +186,15 @@ def test_source_digest_changes_with_every_library_file(tmp_path, monkeypatch):
 
 
 def test_the_library_and_the_parser_stay_lean():
-    # `import zmqsync` imports nothing of the benchmark, and the parser that `zmqsync
-    # --help` builds imports none of the command line's or the extras' heavy modules.
+    # `import zmqsync` and `zmqsync --help` import nothing of the harness, and the
+    # harness's parser imports none of the command line's or the extras' heavy modules.
     code = (
         "import argparse, sys\n"
-        "import zmqsync\n"
-        "assert not [m for m in sys.modules if m.startswith('zmqsync._bench')]\n"
-        "from zmqsync import _bench\n"
-        "_bench.add_arguments(argparse.ArgumentParser())\n"
+        "import zmqsync, zmqsync.cli\n"
+        "zmqsync.cli._parser() if hasattr(zmqsync.cli, '_parser') else None\n"
+        "assert not [m for m in sys.modules if m.startswith('tools')]\n"
+        "from tools.bench import grid\n"
+        "grid.add_arguments(argparse.ArgumentParser())\n"
         "heavy = {'rich', 'matplotlib', 'torchrl'} & {m.split('.')[0] for m in sys.modules}\n"
         "assert not heavy, heavy\n"
     )
@@ -208,3 +212,22 @@ def test_arguments_and_quick_config():
     assert cfg.workers == (1, 3) and cfg.sizes == ("4K", "many") and not cfg.naive and cfg.quick
     with pytest.raises(SystemExit):
         parser.parse_args(["--sizes", "5G"])
+
+
+def test_the_quick_check_publishes_to_its_workers():
+    # `zmqsync bench`: the package's small check, end to end, in a subprocess.
+    cmd = [sys.executable, "-m", "zmqsync", "bench", "--workers", "1", "--size-mb", "0.1",
+           "--publishes", "3", "--timeout", "60"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
+    assert "publish p50" in proc.stdout and "memcpy  p50" in proc.stdout
+
+
+def test_every_scenario_resolves_to_a_main():
+    # `python -m tools.bench SCENARIO [QUESTION]`: every entry imports and is callable.
+    from tools.bench.__main__ import SCENARIOS, resolve
+
+    for scenario, questions in SCENARIOS.items():
+        for question in questions:
+            main, rest = resolve([scenario, *([question] if question else []), "--x"])
+            assert callable(main) and rest == ["--x"], (scenario, question)

@@ -1,5 +1,6 @@
-"""The trainer phase of `zmqsync bench`, run small: every way trains, publishes and
-reports, with real worker processes (timings are reported, never asserted)."""
+"""The trainer loop of the harness (`python -m tools.bench trainer`), run small: every
+way trains, publishes and reports, with real worker processes (timings are reported,
+never asserted)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import sys
 import pytest
 
 from tests.conftest import ROOT
-from zmqsync._bench.trainer import WAYS, model_for, targets
+from tools.bench.grid.trainer import WAYS, model_for, targets
 
 
 def test_the_mlp_has_the_size_asked_for():
@@ -23,7 +24,7 @@ def test_the_mlp_has_the_size_asked_for():
 def test_every_way_trains_publishes_and_reports(tmp_path):
     out = tmp_path / "bench"
     done = subprocess.run(
-        [sys.executable, "-m", "zmqsync", "bench", "--trainer", "--trainer-sizes", "4",
+        [sys.executable, "-m", "tools.bench", "trainer", "--no-plot", "--trainer-sizes", "4",
          "--trainer-workers", "2", "--trainer-repeats", "1", "--no-trainer-costs",
          "--out", str(out), "--quiet"],
         capture_output=True, text=True, cwd=ROOT, timeout=560,

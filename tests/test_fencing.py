@@ -40,8 +40,8 @@ from .test_storms import _assert_all_joined, _end, _free_port, _join_during, _st
 
 pytestmark = pytest.mark.timeout(180)
 
-HELLO_STORM = str(ROOT / "tools" / "hello_storm.py")
-CONNECT_STORM = str(ROOT / "tools" / "connect_storm.py")
+HELLO_STORM = str(ROOT / "tools" / "bench" / "storms.py")
+CONNECT_STORM = str(ROOT / "tools" / "bench" / "storms.py")
 
 
 def _applied(proc, version, timeout=60):

@@ -27,7 +27,7 @@ from zmqsync._sockets import request
 
 from .conftest import ROOT
 
-STORM = str(ROOT / "tools" / "hello_storm.py")
+STORM = str(ROOT / "tools" / "bench" / "storms.py")
 HELPERS = str(ROOT / "tests" / "helpers") + "/"
 
 

@@ -74,10 +74,10 @@ def test_what_a_live_bus_cannot_share_cannot_be_spelled(name):
 
 
 def test_bench_times_live_publishes_beside_torchrl(bus_dirs, tmp_path):
-    """`zmqsync bench`'s live points, as the torchrl baseline runs them after its own."""
-    from zmqsync._bench.config import BenchConfig
-    from zmqsync._bench.live import measure_live
-    from zmqsync._bench.results import Results, Row
+    """The harness's live points, as the torchrl baseline runs them after its own."""
+    from tools.bench.grid.config import BenchConfig
+    from tools.bench.grid.live import measure_live
+    from tools.bench.grid.results import Results, Row
 
     results = Results(config={}, machine={}, rows=[Row(n=2, size="4M", label="4 MB", mode="alias")])
     point = {"key": "4M", "kind": "mlp", "nbytes": 4 << 20, "iters": 8, "warmup": 1,

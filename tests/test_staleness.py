@@ -2,7 +2,7 @@
 least ``version - k``; lag is visible on both sides.
 
 The bus tests run real worker processes of different speeds (the rollout workers of
-tools/staleness.py: they take the newest version at the start of each rollout,
+tools/bench/staleness.py: they take the newest version at the start of each rollout,
 apply="manual") and check the bound against the workers' own records: each worker stamps
 ``time.monotonic()`` when it applies a version, before it acks, and the test stamps the
 moment each publish returned; CLOCK_MONOTONIC is one clock for the whole host.
@@ -21,7 +21,7 @@ import zmqsync
 from zmqsync._protocol import Hello
 from zmqsync._registry import Registry
 
-TOOL = "tools/staleness.py"
+TOOL = "tools/bench/staleness.py"
 WEIGHTS = {"w": torch.zeros(256)}
 
 
@@ -254,7 +254,7 @@ def test_the_staleness_tool_runs_and_holds_its_bound(tmp_path, capsys):
     import json
     from pathlib import Path
 
-    path = Path(__file__).resolve().parent.parent / "tools" / "staleness.py"
+    path = Path(__file__).resolve().parent.parent / "tools" / "bench" / "staleness.py"
     spec = importlib.util.spec_from_file_location("staleness_tool", path)
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)

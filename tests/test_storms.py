@@ -1,7 +1,7 @@
 """Honest workers join, and stay, while other processes storm the publisher's sockets.
 
 Real processes throughout: a publisher (tests/helpers/victim.py), a storm
-(tools/connect_storm.py: connect and close in a loop, or whole handshakes), and
+(tools/bench/storms.py: connect and close in a loop, or whole handshakes), and
 workers that time their own join (tests/helpers/joiner.py) started during the storm.
 Without per-peer limits one storming process spent the allowance of every peer: 1 of 4
 workers got in within 10 s. See docs/security.md ("Connection storms").
@@ -25,7 +25,7 @@ from zmqsync._sockets import request
 pytestmark = pytest.mark.timeout(180)
 
 VICTIM, JOINER = "tests/helpers/victim.py", "tests/helpers/joiner.py"
-STORM = "tools/connect_storm.py"
+STORM = "tools/bench/storms.py"
 JOIN_DEADLINE_S = 10.0  # what each worker allows itself (the default Subscriber timeout)
 # Connections a second per peer (and HELLOs a second): low, so that a storm spends any
 # shared allowance at once, however fast this host lets it connect (loopback tcp here
@@ -108,7 +108,7 @@ def _join_during(spawn, tmp_path: Path, address, name, workers=4) -> list[dict]:
 def _assert_all_joined(results):
     """Every worker got in within its own deadline (JOIN_DEADLINE_S: else ConnectTimeout)
     and then heard new versions. How long each took is not asserted: on a loaded host a
-    join takes seconds with no storm at all (see tools/storm_join.py for the figures)."""
+    join takes seconds with no storm at all (tools/bench/joins/storm.py has the figures)."""
     failed = [r["last"] for r in results if r["last"]["event"] != "heard"]
     assert not failed, f"{len(failed)} of {len(results)} workers did not get in: {failed}"
     times = sorted(r["joined"] for r in results)

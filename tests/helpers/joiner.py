@@ -1,4 +1,4 @@
-"""A worker that times its own join, for the storm tests and tools/storm_join.py.
+"""A worker that times its own join, for the storm tests and tools/bench/joins/storm.py.
 
     python tests/helpers/joiner.py ADDRESS --go FILE [--name NAME] [--timeout 10]
 

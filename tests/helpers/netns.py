@@ -16,7 +16,7 @@ network, and two clusters at once (two test runs) cannot collide.
     root host "hostr": br0 198.18.0.1 ─┬─ port "hostb" ══ veth ══ eth0 198.18.0.2 "hostb"
                                        └─ port "hostc" ══ veth ══ eth0 198.18.0.3 "hostc"
 
-Used by tests/test_hosts.py and tools/bench_hosts.py. Needs root (CAP_SYS_ADMIN and
+Used by tests/test_hosts.py and tools/bench/relay/hosts.py. Needs root (CAP_SYS_ADMIN and
 CAP_NET_ADMIN), util-linux (unshare, nsenter, setpriv) and iproute2 (ip, tc).
 """
 
