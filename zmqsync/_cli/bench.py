@@ -84,7 +84,7 @@ def _memcpy_seconds(nbytes: int, n: int) -> float:
     import torch as t
 
     src = t.empty(nbytes, dtype=t.uint8)
-    dst = t.empty(nbytes, dtype=t.uint8).share_memory_()
+    dst = t.empty(nbytes, dtype=t.uint8).share_memory_()  # type: ignore[no-untyped-call]
     threads = t.get_num_threads()
     t.set_num_threads(1)
     try:
