@@ -10,7 +10,8 @@ each, and are here once:
   is non-blocking and made under one lock (`post`): a PAIR send blocks for good once
   the agent has gone, and an owner cannot know that it has not;
 * the thread connects its end, binds what it serves (`_bind`), says it started (or why
-  it failed, which `start` raises on the owner's thread), runs its loop (`_loop`), and
+  it failed, which `start` raises on the owner's thread; what it had bound goes with the
+  context), runs its loop (`_loop`; a failure is logged and handed to `_failed`), and
   closes its sockets on the way out (`_finish`), also when the loop failed;
 * `start` waits AGENT_START_S for the thread to say so; `stop` asks it to stop and joins
   it for `stop_s`, then closes the pipe and destroys the context (its sockets are closed
@@ -40,12 +41,19 @@ class AgentThread:
         name: the thread's name (``zmqsync-...``), also the pipe's.
         what: what the agent is, for messages ("publisher agent").
         stop_s: how long `stop` waits for the thread to end.
+        pipe_lock: the lock sends on the pipe take (one of the owner's, if it has one).
     """
 
-    def __init__(self, name: str, what: str, stop_s: float = THREAD_JOIN_S) -> None:
+    def __init__(
+        self,
+        name: str,
+        what: str,
+        stop_s: float = THREAD_JOIN_S,
+        pipe_lock: threading.Lock | None = None,
+    ) -> None:
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self.what, self.stop_s = what, stop_s
-        self.pipe_lock = threading.Lock()
+        self.pipe_lock = pipe_lock or threading.Lock()
         self._pipe_in = self.ctx.socket(zmq.PAIR)
         self._pipe_in.linger = 0
         self._pipe_addr = f"inproc://{name}-{id(self)}"
@@ -103,14 +111,15 @@ class AgentThread:
             self._bind()
         except BaseException as exc:  # reported to start() on the owner's thread
             self._failure = exc
-            self._finish()
+            self.pipe.close()  # the rest goes with the context (start() stops it)
             self._started.set()
             return
         self._started.set()
         try:
             self._loop()
-        except BaseException:
+        except BaseException as exc:
             log.exception("%s failed", self.what)
+            self._failed(exc)
         finally:
             self._finish()
 
@@ -120,6 +129,9 @@ class AgentThread:
     def _loop(self) -> None:
         """Serve until the pipe says stop (agent thread)."""
         raise NotImplementedError
+
+    def _failed(self, exc: BaseException) -> None:
+        """The loop raised `exc` (agent thread): tell whoever waits on this agent."""
 
     def _finish(self) -> None:
         """Close this thread's sockets (agent thread), the pipe's end included."""

@@ -29,6 +29,7 @@ import zmq
 from . import _config
 from ._ack_reader import ACK_READER
 from ._admission import peer_of
+from ._agent_thread import AgentThread
 from ._config import XPUB_WELCOME
 from ._connections import Gate
 from ._deadline import Deadline
@@ -57,7 +58,6 @@ from ._sockets import (
     NOBLOCK,
     Drain,
     bind,
-    post,
     protect_ipc,
     readable,
     send_bytes,
@@ -109,23 +109,20 @@ class Shared:
         self.cond = threading.Condition(self.lock)
 
 
-class Agent:
-    """The thread that owns the publisher's sockets (control, events, acks)."""
+class Agent(AgentThread):
+    """The thread that owns the publisher's sockets (control, events, acks); its thread,
+    pipe and start are `AgentThread`'s."""
 
     def __init__(self, shared: Shared) -> None:
+        super().__init__(
+            f"zmqsync-pub-{shared.role.name}",
+            "publisher agent",
+            stop_s=_config.CLOSE_BYE_WAIT_S + _config.THREAD_JOIN_S,
+            pipe_lock=shared.pipe_lock,
+        )
         self.shared = shared
         self.role = shared.role
-        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._closing: Deadline | None = None
-        self._started = threading.Event()
-        self._thread = threading.Thread(
-            target=self._run, name=f"zmqsync-pub-{shared.role.name}", daemon=True
-        )
-        self._pipe_in = self.ctx.socket(zmq.PAIR)
-        self._pipe_in.linger = 0
-        self._pipe_addr = f"inproc://zmqsync-pipe-{id(self)}"
-        self._pipe_in.bind(self._pipe_addr)
-        self._failure: BaseException | None = None
         self.tap: zmq.Socket[bytes] | None = None
         self._ack_reader: Any = None  # `_native.AckReader` over `acks` (see `collect`)
         self.endpoints: dict[str, str] = {}  # cached: LAST_ENDPOINT is a socket call
@@ -138,20 +135,12 @@ class Agent:
         self._stops: list[tuple[Stop, str]] = []  # to send once the registry lock is free
         self._refusals = Refusals()  # a warning once per worker and reason
 
-    def start(self) -> None:
-        self._thread.start()
-        if not self._started.wait(10.0) or self._failure is not None:
-            failure = self._failure
-            self.stop()
-            raise failure or ZmqSyncError("publisher agent did not start within 10 s")
-
     def command(self, cmd: bytes) -> None:
-        with self.shared.pipe_lock:
-            if not self._pipe_in.closed and not post(self._pipe_in, cmd):
-                log.debug("publisher agent gone: command %r dropped", cmd[:16])
+        if not self.post(cmd):
+            log.debug("publisher agent gone: command %r dropped", cmd[:16])
 
     def stop(self) -> None:
-        if threading.current_thread() is self._thread:
+        if self.on_agent_thread:
             # The garbage collector finalized an unclosed Publisher on this very thread:
             # the loop sees the command, says STOP, closes the sockets on its way out and
             # releases the rest itself (it cannot wait for itself here).
@@ -161,7 +150,7 @@ class Agent:
         stuck = False
         if self._thread.is_alive():
             self.command(b"stop")
-            self._thread.join(_config.CLOSE_BYE_WAIT_S + _config.THREAD_JOIN_S)
+            self._thread.join(self.stop_s)
             stuck = self._thread.is_alive()
             if stuck:
                 log.warning("publisher agent thread did not stop within its deadline; its "
@@ -180,52 +169,37 @@ class Agent:
 
     def _release(self) -> None:
         self._ack_reader = None  # it uses the acks socket, which goes with the context
-        with self.shared.pipe_lock:
-            self._pipe_in.close()
-        self.ctx.destroy(linger=0)
+        super()._release()
 
     # --- the loop (agent thread) ---
 
-    def _run(self) -> None:
-        try:
-            self._bind()
-        except BaseException as exc:  # reported to start() on the user's thread
-            self._failure = exc
-            self._started.set()
-            return
-        self._started.set()
-        try:
-            self._loop()
-        except BaseException as exc:
-            log.exception("publisher agent failed")
-            self.shared.failure = exc
-            with self.shared.cond:
-                self.shared.cond.notify_all()
-        finally:
-            self.gate.close()
-            bound = [self.control, *self._bus_sockets()]
-            # A publishing thread may be using them; it holds `_io` for one bounded step.
-            if self.shared.io.acquire(timeout=IO_LOCK_S):
-                try:
-                    self.closed = True
-                    self._ack_reader = None
-                    for sock in (self.pipe, *bound):
-                        sock.close()
-                    self.gate.close_zap()  # after them (see there)
-                finally:
-                    self.shared.io.release()
-            else:  # left to the context's destroy in stop()
-                log.warning("publisher agent: sockets still in use at exit; not closed here")
-            self.remove_socket_files()
-            if self._orphaned:
-                self._release()
+    def _failed(self, exc: BaseException) -> None:
+        self.shared.failure = exc
+        with self.shared.cond:
+            self.shared.cond.notify_all()
+
+    def _finish(self) -> None:
+        self.gate.close()
+        bound = [self.control, *self._bus_sockets()]
+        # A publishing thread may be using them; it holds `_io` for one bounded step.
+        if self.shared.io.acquire(timeout=IO_LOCK_S):
+            try:
+                self.closed = True
+                self._ack_reader = None
+                for sock in (self.pipe, *bound):
+                    sock.close()
+                self.gate.close_zap()  # after them (see there)
+            finally:
+                self.shared.io.release()
+        else:  # left to the context's destroy in stop()
+            log.warning("publisher agent: sockets still in use at exit; not closed here")
+        self.remove_socket_files()
+        if self._orphaned:
+            self._release()
 
     def _bind(self) -> None:
         address, shared = self.shared.address, self.shared
         secure = shared.curve.apply if shared.curve is not None else None
-        self.pipe = self.ctx.socket(zmq.PAIR)
-        self.pipe.linger = 0
-        self.pipe.connect(self._pipe_addr)
         self.gate = Gate(
             shared.max_connections - _config.CONTROL_CONNECTIONS,
             _config.CONTROL_CONNECTIONS,
