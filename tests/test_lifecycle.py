@@ -94,3 +94,29 @@ def test_every_public_class_that_opens_something_takes_the_one_lifecycle(cls):
     assert issubclass(cls, Lifecycle)
     own = {name for name in ("__del__", "__exit__", "_starting", "_closing") if name in vars(cls)}
     assert not own, f"{cls.__name__} defines {own} itself"
+
+
+def test_every_socket_agent_with_a_pipe_takes_the_one_thread_shape():
+    from zmqsync._agent_thread import AgentThread
+    from zmqsync._publisher_agent import Agent
+    from zmqsync.relay._host_agent import RelayAgent
+    from zmqsync.relay._root_agent import RootAgent
+
+    for agent in (Agent, RootAgent, RelayAgent):
+        assert issubclass(agent, AgentThread)
+        assert "_run" not in vars(agent), f"{agent.__name__} runs a thread of its own shape"
+
+
+def test_no_agent_waits_on_an_inline_number():
+    # the waits have names (AGENT_START_S, FIRST_APPLY_S, THREAD_JOIN_S, ...) in _config
+    import re
+    from pathlib import Path
+
+    root = Path(zmqsync.__file__).parent
+    inline = re.compile(r"\.(wait|join)\(\s*\d+(\.\d+)?\s*\)|\+\s*\d+\.\d+\)")
+    for path in ("_agent_thread.py", "_publisher_agent.py", "_subscriber_agent.py"):
+        text = (root / path).read_text()
+        assert not inline.search(text), f"{path}: {inline.search(text)}"
+    for path in ("relay/_root_agent.py", "relay/_host_agent.py"):
+        text = (root / path).read_text()
+        assert not inline.search(text), f"{path}: {inline.search(text)}"
