@@ -4,6 +4,8 @@ ones inside functions): a module map is only worth what keeps it true."""
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -179,6 +181,187 @@ def test_the_rules_catch_what_they_forbid():
     # the checker itself: inspect's view does import rich, and the publisher does import zmq
     assert _violations(["zmqsync._inspect_view"], ("rich",))
     assert _violations(["zmqsync._publisher_agent"], ("zmq",))
+
+
+# --- whole import chains -------------------------------------------------------------------
+
+# Modules whose whole import chain stays clear of some libraries: every package module they
+# import, what those import in turn (inside functions too), and the `__init__` of each
+# subpackage on the way, which Python runs first (`_buffers/__init__` loads torch). The
+# package's own `__init__` is left out: it is the public surface and loads torch for every
+# `import zmqsync`; these rules say what a module itself needs.
+CHAINS_FREE_OF = {
+    "the state objects and the protocol load no tensors, through nothing they import": (
+        (
+            "zmqsync._publisher_role",
+            "zmqsync._registry",
+            "zmqsync._registration",
+            "zmqsync._link",
+            "zmqsync._admission",
+            "zmqsync._handshake_queue",
+            "zmqsync._worker_state",
+            "zmqsync._histogram",
+            "zmqsync._protocol",
+            "zmqsync._checks",
+            "zmqsync._fast_frames",
+        ),
+        ("torch", "tensordict", "numpy"),
+    ),
+}
+
+
+def _loaded_by(imported: str) -> list[str]:
+    """The package modules that `imported` runs: each subpackage on its path (the root
+    package aside, see above), then the module itself."""
+    parts = imported.split(".")
+    if parts[0] != PACKAGE.name:
+        return []
+    names = (".".join(parts[:i]) for i in range(2, len(parts) + 1))
+    return [n for n in names if n in MODULES]
+
+
+def _chain(name: str) -> dict[str, str]:
+    """Every package module that importing `name` runs, each with the one that pulled it
+    in ("" for `name` and the subpackages above it)."""
+    seen = dict.fromkeys(_loaded_by(name), "")
+    todo = list(seen)
+    while todo:
+        module = todo.pop()
+        for imported in sorted(_imports(module)):
+            for loaded in _loaded_by(imported):
+                if loaded not in seen:
+                    seen[loaded] = module
+                    todo.append(loaded)
+    return seen
+
+
+def _chain_violations(name: str, forbidden: tuple[str, ...]) -> list[str]:
+    """How `name` comes to import something `forbidden`: one line per import, with the
+    chain of modules that leads there."""
+    chain = _chain(name)
+
+    def path(module: str) -> str:
+        steps = [module]
+        while chain[steps[-1]]:
+            steps.append(chain[steps[-1]])
+        return " -> ".join(reversed(steps))
+
+    return [
+        f"{path(module)} imports {imported}"
+        for module in sorted(chain)
+        for imported in sorted(_imports(module))
+        if any(imported == f or imported.startswith(f + ".") for f in forbidden)
+    ]
+
+
+@pytest.mark.parametrize("rule", list(CHAINS_FREE_OF))
+def test_whole_import_chains_stay_clear(rule):
+    modules, forbidden = CHAINS_FREE_OF[rule]
+    assert [v for m in modules for v in _chain_violations(m, forbidden)] == [], rule
+
+
+@pytest.mark.parametrize("module", [m for modules, _ in CHAINS_FREE_OF.values() for m in modules])
+def test_whole_import_chains_stay_clear_when_imported(module):
+    """The same, as Python runs it: the package's `__init__` replaced by an empty package
+    of the same path, so that only the module's own chain is imported."""
+    forbidden = next(f for modules, f in CHAINS_FREE_OF.values() if module in modules)
+    code = (
+        "import importlib, sys, types\n"
+        f"root = types.ModuleType({PACKAGE.name!r})\n"
+        f"root.__path__ = [{str(PACKAGE)!r}]\n"
+        f"sys.modules[{PACKAGE.name!r}] = root\n"
+        f"importlib.import_module({module!r})\n"
+        f"print(sorted({{m.split('.')[0] for m in sys.modules}} & {set(forbidden)!r}))\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "[]", f"{module} loads {run.stdout.strip()}"
+
+
+def test_the_chains_are_followed_through_subpackages():
+    # the checker itself: the buffers' transport rules load no torch, but their package does
+    assert "torch" not in {i.split(".")[0] for i in _imports("zmqsync._buffers.transport")}
+    found = _chain_violations("zmqsync._buffers.transport", ("torch",))
+    assert found and all(v.startswith("zmqsync._buffers -> ") for v in found), found
+    assert _chain("zmqsync._publisher_role")["zmqsync._registration"] == "zmqsync._publisher_role"
+
+
+# --- the publisher role's seam ------------------------------------------------------------
+
+ROLE_NAMES = ("role", "_role")  # how the package names the publisher's role, wherever held
+# What of the role only the named modules touch. Its registry: a publish, the agent and
+# the publisher ask the role, by what they need (a free slot, who acked, ...). Its
+# counters: bumped only by its methods (`count`, `timed_out`, `published`, ...); anyone
+# may read them.
+ROLE_SEAM = {
+    "registry": ("any use", ("zmqsync._publisher_role", "zmqsync._registry")),
+    "counters": ("a change", ("zmqsync._publisher_role",)),
+}
+_CHANGES = ("update", "clear", "pop", "popitem", "setdefault", "subtract", "__setitem__")
+
+
+def _of_role(node: ast.AST, attr: str) -> bool:
+    """Whether `node` is `<...>.role.<attr>` (or `role.<attr>`, `self._role.<attr>`)."""
+    if not (isinstance(node, ast.Attribute) and node.attr == attr):
+        return False
+    held = node.value
+    return (isinstance(held, ast.Name) and held.id in ROLE_NAMES) or (
+        isinstance(held, ast.Attribute) and held.attr in ROLE_NAMES
+    )
+
+
+def _seam_crossings(source: str) -> list[str]:
+    """Every line of `source` that uses what `ROLE_SEAM` keeps to the role's modules."""
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(source)):
+        for attr, (what, _) in ROLE_SEAM.items():
+            if what == "any use":
+                hit = _of_role(node, attr)
+            elif isinstance(node, ast.Subscript):  # counters[k] += 1, = v, del
+                hit = _of_role(node.value, attr) and not isinstance(node.ctx, ast.Load)
+            else:  # counters.update(...)
+                hit = (
+                    isinstance(node, ast.Call)
+                    and isinstance(node.func, ast.Attribute)
+                    and node.func.attr in _CHANGES
+                    and _of_role(node.func.value, attr)
+                )
+            if hit:
+                found.append((node.lineno, f"line {node.lineno}: {what} of the role's {attr}"))
+    return [line for _, line in sorted(found)]
+
+
+@pytest.mark.parametrize("attr", list(ROLE_SEAM))
+def test_only_the_role_reaches_its_registry_and_bumps_its_counters(attr):
+    allowed = ROLE_SEAM[attr][1]
+    bad = [
+        f"{module} {line}"
+        for module, path in sorted(MODULES.items())
+        if module not in allowed
+        for line in _seam_crossings(path.read_text())
+        if line.endswith(f" {attr}")
+    ]
+    assert bad == [], f"ask the role (zmqsync/_publisher_role.py) instead: {allowed}"
+    for module in allowed:
+        assert module in MODULES, f"{module} is gone: update ROLE_SEAM"
+
+
+def test_the_seam_check_catches_what_it_forbids():
+    # the checker itself, on what the publish path used to do
+    crossings = _seam_crossings(
+        "self._registry = shared.role.registry\n"
+        "role.registry.record(1, 0)\n"
+        'self._shared.role.counters["timeouts"] += 1\n'
+        "self.role.counters.update(acks=1)\n"
+        "counts = dict(self._role.counters)\n"  # a read: allowed
+        'self.counters["acks"] += 1\n'  # an object's own counters: allowed
+    )
+    assert crossings == [
+        "line 1: any use of the role's registry",
+        "line 2: any use of the role's registry",
+        "line 3: a change of the role's counters",
+        "line 4: a change of the role's counters",
+    ]
 
 
 # --- size ---------------------------------------------------------------------------------
