@@ -106,6 +106,36 @@ def test_sigint_during_a_publish_leaves_nothing_and_stops_a_busy_worker_at_once(
 
 
 @pytest.mark.timeout(180)
+def test_sigterm_to_a_plain_trainer_script_closes_its_bus_too(name, spawn, bus_dirs):
+    # docker stop, kill: SIGTERM's default action ends Python without unwinding; the
+    # first zmqsync object started makes it raise SystemExit(143) instead (_lifecycle)
+    runtime, shm = bus_dirs
+    worker = spawn("tests/helpers/shaped_worker.py", name, "16", "20", module="")
+    trainer = spawn("tests/helpers/loop_trainer.py", name, module="")
+    trainer.wait_for(lambda r: r["event"] == "ready", timeout=90)
+    worker.wait_for(lambda r: r["event"] == "busy" and r["version"] >= 1, timeout=60)
+    terminated = time.time()
+    trainer.proc.send_signal(signal.SIGTERM)
+    assert trainer.finish(timeout=30) == 143, trainer.stderr[-2000:]
+    assert os.listdir(runtime) == [] and os.listdir(shm) == []
+    stopped = worker.wait_for(lambda r: r["event"] == "stopped", timeout=30)
+    assert stopped["ts"] - terminated < 2.0, stopped
+    worker.kill()
+
+
+def test_a_forked_child_of_a_trainer_still_dies_of_sigterm(name):
+    with zmqsync.Publisher({"w": torch.zeros(4)}, name=name):
+        pid = os.fork()
+        if pid == 0:  # the child: wait to be terminated
+            time.sleep(30)
+            os._exit(0)
+        time.sleep(0.5)  # past the child's after-fork reset (a signal before it is lost)
+        os.kill(pid, signal.SIGTERM)
+        _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM
+
+
+@pytest.mark.timeout(180)
 @pytest.mark.parametrize("pause", [0.1, 0.3])
 def test_a_second_sigint_during_the_close_leaves_nothing_either(name, spawn, bus_dirs, pause):
     runtime, shm = bus_dirs

@@ -15,6 +15,13 @@ not differ between them:
 * Whatever is still open at interpreter exit is closed (`atexit`), bounded in time like
   every close: a publisher still broadcasts STOP and unlinks its segment. A SIGKILL
   skips this; the flock-based garbage collection covers that case.
+* SIGTERM (``docker stop``, ``kill``, a supervisor) would end the process without any
+  of that: its default action does not unwind Python. The first object started on the
+  main thread of a process whose SIGTERM handler is still the default installs one that
+  raises ``SystemExit(143)`` there, as SIGINT raises KeyboardInterrupt: ``with`` blocks
+  and `atexit` close the bus (STOP to the workers at once, socket files and segments
+  removed), and the exit status still says SIGTERM. A process with its own handler (set
+  before) keeps it, and a child forked from it still dies of SIGTERM as before.
 """
 
 from __future__ import annotations
@@ -23,13 +30,16 @@ import atexit
 import contextlib
 import enum
 import os
+import signal
+import threading
 import warnings
 import weakref
+from types import FrameType
 from typing import Any, Protocol
 
 from ._errors import ClosedError
 
-__all__ = ["Lifecycle", "State", "track"]
+__all__ = ["Lifecycle", "State", "exit_on_sigterm", "track"]
 
 
 class State(enum.Enum):
@@ -58,6 +68,29 @@ def _close_all() -> None:
     for obj in list(_live):
         with contextlib.suppress(Exception):
             obj.close()
+
+
+_installed_in = 0  # the process that installed `_terminated`
+
+
+def _terminated(signum: int, frame: FrameType | None) -> None:
+    if os.getpid() != _installed_in:  # a forked child: it ends as it would have
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+        return
+    raise SystemExit(128 + signum)
+
+
+def exit_on_sigterm() -> None:
+    """Make SIGTERM unwind this process (see the module doc), if nobody chose otherwise:
+    only on the main thread, and only while SIGTERM's handler is the default."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    with contextlib.suppress(ValueError, OSError):  # no signals here (an embedded Python)
+        if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            global _installed_in
+            _installed_in = os.getpid()
+            signal.signal(signal.SIGTERM, _terminated)
 
 
 class Lifecycle:
@@ -97,6 +130,7 @@ class Lifecycle:
         """start() opened everything: STARTED, and closed at exit if still open then."""
         self._state = State.STARTED
         track(self)
+        exit_on_sigterm()
 
     def _closing(self) -> bool:
         """CLOSED from now on; whether close() must release anything: only once, and only
