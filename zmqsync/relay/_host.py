@@ -274,7 +274,8 @@ class Relay(Lifecycle):
             thread.start()
         self._started()  # the threads run: a failed join closes them
         try:
-            self._agent.start(Deadline(self._join_timeout))
+            self._agent.start()
+            self._agent.wait_accepted(Deadline(self._join_timeout))
         except BaseException:
             self.close()
             raise

@@ -149,13 +149,12 @@ class RelayAgent(AgentThread):
     def connected(self) -> bool:
         return bool(self.session) and time.monotonic() - self.last_heard < self.silent_after
 
-    def start(self, deadline: Deadline) -> None:
-        """Run the thread; return once a root accepted this relay.
+    def wait_accepted(self, deadline: Deadline) -> None:
+        """Return once a root accepted this relay (after `start`).
 
         Raises:
             ConnectTimeout: no root accepted it before `deadline`.
         """
-        super().start()
         if not self._accepted.wait(deadline.wait_s()):
             raise ConnectTimeout(
                 f"no relay root accepted relay {self.relay_id!r} at "
