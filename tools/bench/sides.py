@@ -6,7 +6,7 @@ default: this checkout). Every scenario that compares checkouts or ways uses the
 here: `parse_side`, `tree_env`, `rotated` (the order of round ``i``), and the two role
 helpers of a side's processes (`die_with_parent`, `say`). The fixed cost and the joins
 alternate their sides round by round inside one run (``python -m tools.bench fixed
---sides raw before=/tmp/before after``, ``python -m tools.bench joins cost --sides
+--sides raw zmqsync=/tmp/before zmqsync``, ``python -m tools.bench joins cost --sides
 before=/tmp/before after``); whole runs that take minutes alternate here, tree by tree,
 reversing the order every other repeat. The one such run today is the trainer loop:
 
