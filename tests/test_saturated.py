@@ -140,7 +140,7 @@ def test_joins_on_a_saturated_host_converge_while_it_is_saturated(spawn, burners
         for w in workers:
             w.proc.send_signal(signal.SIGTERM)
         for w in workers:
-            assert w.finish() == 0, w.stderr
+            assert w.finish() == 143, w.stderr  # 128 + SIGTERM, as every command ends on it
 
 
 class _LateConfirmation:
