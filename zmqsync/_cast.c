@@ -4,7 +4,7 @@
  * many: against a float32 publish it moves 3/4 of the bytes, and what is left to win is
  * in how the cast writes. torch's cast (copy_ with a dtype change) ran at 0.91-0.97x of
  * a float32 publish here; these casts, with non-temporal stores for big plans, at
- * 0.74-0.80x of torch's float32 copy (tools/cast_floor.py).
+ * 0.74-0.80x of torch's float32 copy (python -m tools.bench cast floor).
  *
  * Bit for bit what torch's CPU cast writes (the Python reference, held to it by
  * tests/test_cast.py): round to nearest, ties to even, on the bits (subnormals are kept,

@@ -130,8 +130,9 @@ COPY_THREADS = _copy_threads()
 # A native copy of at least this many bytes is shared among COPY_THREADS threads. Below
 # it, starting the helpers (~45 us each here) costs what the second thread saves: a
 # 4 MiB copy took 0.10 ms on one thread, 0.12 ms on two. A copy-mode publish to one
-# worker, the worker's copy shared or not (tools/shared_copy_ab.py, after a torch step
-# in the trainer): 16 MB 2.87 against 3.12 ms, 64 MB 13.2 against 14.3 ms. With the
+# worker, the worker's copy shared or not (``python -m tools.bench steps shared-copy``,
+# after a torch step in the trainer): 16 MB 2.87 against 3.12 ms, 64 MB 13.2 against
+# 14.3 ms. With the
 # other core busy a 64 MiB copy took 7.2 ms shared, 7.4 ms on one thread and 9.6 ms by
 # torch's copy_ (its OpenMP threads wait for each other).
 SHARED_COPY_MIN = 16 << 20
