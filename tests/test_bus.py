@@ -159,7 +159,7 @@ def test_publish_wait_false_targets_and_on_update(name):
             zmqsync.Subscriber(name=name, worker_id="a", on_update=seen.append) as a,
             zmqsync.Subscriber(name=name, worker_id="b", apply="manual") as b,
         ):
-            p = pub.publish(weights={"x": torch.ones(3)}, wait=False, workers=["a"])
+            p = pub.publish(weights={"x": torch.ones(3)}, max_lag=None, workers=["a"])
             assert p.targets == ("a",)
             assert p.wait(timeout=10) is p and p.done() and p.acked == ("a",)
             assert a.version == 1 and seen == [0, 1]

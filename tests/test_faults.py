@@ -345,7 +345,7 @@ def test_a_segment_gone_before_the_rejoin_maps_it_is_retried(name, bus_dirs, mon
                 while not again.workers and time.monotonic() < end:
                     time.sleep(0.02)
                 assert again.workers, "the worker re-joined the new bus"
-                again.publish(wait=False)
+                again.publish(max_lag=None)
                 assert sub.wait_for_version(1, timeout=20), "the worker re-joined the new bus"
                 assert vanished, "its first attempt met a vanished segment"
                 assert sub.connected and sub._failure is None

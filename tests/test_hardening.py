@@ -514,7 +514,7 @@ def test_a_rejoin_proven_by_its_session_displaces_the_old_one_and_protects_its_s
         while pub.workers["p"].version < 0:
             assert time.monotonic() < end
             time.sleep(0.01)
-        pub.publish(wait=False)  # v1 into slot 1; "p" still computes with v0 in slot 0
+        pub.publish(max_lag=None)  # v1 into slot 1; "p" still computes with v0 in slot 0
         # the same process re-joins (its link was lost): it proves it with its session
         proof = Hello("", "p", 7, "h", "alias", "cpu", "", first.session)
         again = request(ctx, pub.address, proof, deadline=Deadline(5))
@@ -529,7 +529,7 @@ def test_a_rejoin_proven_by_its_session_displaces_the_old_one_and_protects_its_s
         while pub.workers["p"].version < 1:
             assert time.monotonic() < end
             time.sleep(0.01)
-        handle = pub.publish(wait=False)
+        handle = pub.publish(max_lag=None)
         assert handle.version == 2  # the refused publish took no version
         acks.close()
         events.close()

@@ -329,7 +329,7 @@ def test_many_threads_publish_and_wait_at_once(name):
         def publisher_thread() -> None:
             try:
                 for _ in range(25):
-                    handle = pub.publish(wait=False)
+                    handle = pub.publish(max_lag=None)
                     assert handle.wait(timeout=20).missing == ()
             except BaseException as exc:  # reported below
                 errors.append(exc)
@@ -349,7 +349,7 @@ def test_acks_nobody_waits_for_are_still_collected(name):
         zmqsync.Publisher(torch.nn.Linear(4, 4), name=name, timeout=20) as pub,
         zmqsync.Subscriber(name=name, model=torch.nn.Linear(4, 4)) as sub,
     ):
-        handle = pub.publish(wait=False)
+        handle = pub.publish(max_lag=None)
         assert sub.wait_for_version(handle.version, timeout=20)
         deadline = time.monotonic() + 10
         while not handle.done() and time.monotonic() < deadline:

@@ -87,7 +87,7 @@ def test_a_paused_workers_id_taken_by_another_process_is_said_and_never_counted(
         _applied(first, 0)
         assert pub.workers["same"].pid == first.proc.pid
         first.stop()
-        meant = pub.publish(wait=False)  # meant for the process now paused
+        meant = pub.publish(max_lag=None)  # meant for the process now paused
         end = time.monotonic() + 20
         while "same" in pub.workers:
             assert time.monotonic() < end, "the paused worker was never dropped"

@@ -471,7 +471,7 @@ def test_overlapped_blocked_time_is_counted_and_exported(name):
             model(torch.ones(4, 512)).sum().backward()
             opt.step()  # waits, if the version before is still being copied
             opt.zero_grad()
-            handles.append(pub.publish(wait=False))
+            handles.append(pub.publish(max_lag=None))
         for handle in handles:
             handle.wait(30)
         assert sub.wait_for_version(5, timeout=30)

@@ -227,3 +227,8 @@ def test_every_public_class_takes_security_and_refuses_the_options_of_the_other_
         params = inspect.signature(cls).parameters
         assert "security" in params
         assert not {"curve", "insecure", "tap", "publisher_uid"} & set(params), cls
+
+
+def test_publish_has_one_knob_for_how_long_it_waits():
+    params = inspect.signature(zmqsync.Publisher.publish).parameters
+    assert "wait" not in params and params["max_lag"].default == 0

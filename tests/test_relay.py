@@ -336,7 +336,7 @@ def test_raise_mode_withholds_the_ack_from_a_late_relay(name, hosts):
                 shm_dir=str(a.shm),
                 timeout=30,
             ) as slow:
-                p = pub.publish(weights={"w": torch.ones(1000)}, wait=False)
+                p = pub.publish(weights={"w": torch.ones(1000)}, max_lag=None)
                 assert slow.poll(timeout=20) and not p.wait().missing
                 # version 2: the relay is alive and heard from, but its worker does not ack
                 # within the root's 2 s: the root withholds its ack, the trainer's
@@ -348,7 +348,7 @@ def test_raise_mode_withholds_the_ack_from_a_late_relay(name, hosts):
                 assert root.last_error.missing == ("hostA",) and root.last_error.version == 2
                 assert root.relays["hostA"].state == "active"
                 assert slow.poll(timeout=10) and slow.version == 2
-                p = pub.publish(weights={"w": torch.full((1000,), 3.0)}, wait=False)
+                p = pub.publish(weights={"w": torch.full((1000,), 3.0)}, max_lag=None)
                 assert slow.poll(timeout=20) and not p.wait().missing
                 assert torch.equal(slow.weights["w"], torch.full((1000,), 3.0))
     relay.proc.terminate()

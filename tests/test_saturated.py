@@ -53,7 +53,7 @@ def _acked(pub: zmqsync.Publisher, wid: str, version: int) -> bool:
 def _acking_soon(pub: zmqsync.Publisher, ids: list[str], within: float) -> float:
     """Seconds until every worker of `ids` acked a version published now (asserted)."""
     t0 = time.monotonic()
-    version = pub.publish(wait=False).version
+    version = pub.publish(max_lag=None).version
     while not all(_acked(pub, w, version) for w in ids):
         acking = sum(_acked(pub, w, version) for w in ids)
         assert time.monotonic() - t0 < within, (
@@ -75,7 +75,7 @@ def test_a_worker_paused_past_liveness_is_back_within_a_few_beats(spawn, burners
         while "paused" in pub.workers:
             assert time.monotonic() < end, "the paused worker was never dropped"
             time.sleep(min(heartbeat, 0.1))
-        version = pub.publish(wait=False).version  # while it is away
+        version = pub.publish(max_lag=None).version  # while it is away
         t0 = time.monotonic()
         worker.proc.send_signal(signal.SIGCONT)
         limit = max(10 * heartbeat, 1.5)  # a few beats (and a handshake on a busy host)
@@ -228,7 +228,7 @@ def test_a_relay_root_paused_past_liveness_rejoins_the_trainers_bus(spawn, burne
         while root_id in pub.workers:
             assert time.monotonic() < end, "the paused root was never dropped"
             time.sleep(0.05)
-        version = pub.publish(wait=False).version  # while it is away
+        version = pub.publish(max_lag=None).version  # while it is away
         handshakes = pub.counters["handshakes"]
         t0 = time.monotonic()
         root.proc.send_signal(signal.SIGCONT)

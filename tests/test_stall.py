@@ -62,7 +62,7 @@ def _loss(model: Mixed, step: int) -> torch.Tensor:
 @pytest.mark.timeout(420)
 def test_overlapped_publish_is_bit_exact_and_buffers_changed_in_forward_are_published(spawn, name):
     """A training loop with optimizer=: forward (BatchNorm statistics change), backward,
-    step, publish(wait=False). Each version holds the parameters as step() left them and
+    step, publish(max_lag=None). Each version holds the parameters as step() left them and
     the statistics as they were at publish(), not as the next forward left them."""
     torch.manual_seed(0)
     model = Mixed()
@@ -79,7 +79,7 @@ def test_overlapped_publish_is_bit_exact_and_buffers_changed_in_forward_are_publ
             opt.zero_grad()
             loss.backward()
             opt.step()  # waits only while the last version's copy is unfinished
-            handle = pub.publish(wait=False)
+            handle = pub.publish(max_lag=None)
             expected[handle.version] = digest(flatten(model))
             handles.append(handle)
         for handle in handles:
@@ -91,7 +91,7 @@ def test_overlapped_publish_is_bit_exact_and_buffers_changed_in_forward_are_publ
 
 @pytest.mark.timeout(420)
 def test_an_optimizer_step_racing_the_background_copy_never_tears_a_version(spawn, name):
-    """step() right after publish(wait=False), with nothing in between: the copy of the
+    """step() right after publish(max_lag=None), with nothing in between: the copy of the
     published parameters is under way, and the step's pre-hook must hold it back. What
     each version should hold is found afterwards, by replaying the same steps on a twin
     (hashing 16 MB between publish and step would let the copy finish first)."""
@@ -113,7 +113,7 @@ def test_an_optimizer_step_racing_the_background_copy_never_tears_a_version(spaw
         first = pub.version
         handles = []
         for _ in range(15):
-            handle = pub.publish(wait=False)
+            handle = pub.publish(max_lag=None)
             opt.step()  # every parameter changes while its copy may be running
             handles.append(handle)
         for handle in handles:
@@ -252,7 +252,7 @@ def test_close_with_a_version_still_being_written_announces_it_first(name, caplo
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     pub = zmqsync.Publisher(model, name=name, writes=zmqsync.Overlapped(opt), timeout=30).start()
     try:
-        handle = pub.publish(wait=False)
+        handle = pub.publish(max_lag=None)
     finally:
         pub.close()
     assert handle.written and pub.version == 1
@@ -298,7 +298,7 @@ def test_alias_readers_never_see_a_torn_version_with_overlapped_publishes(spawn,
         end = time.monotonic() + 4.0
         while time.monotonic() < end:
             opt.step()  # waits for the copy of the version before
-            last = pub.publish(wait=False)
+            last = pub.publish(max_lag=None)
         last.wait(30)
     for r in readers:
         assert r.finish(60) == 0, r.stderr[-2000:]
@@ -369,7 +369,7 @@ def test_overlapped_publish_of_a_cuda_model_is_bit_exact(spawn, name):
         for _ in range(15):
             opt.zero_grad()
             model(x).square().mean().backward()
-            handle = pub.publish(wait=False)
+            handle = pub.publish(max_lag=None)
             expected[handle.version] = digest(flatten(model))
             opt.step()  # queued behind the copy on the GPU, not waited for on the host
             handles.append(handle)

@@ -441,7 +441,7 @@ def check_overlapped(checks: Checks, width: int) -> None:
                 raise RuntimeError("the overlap worker did not join")
             for _ in range(10):
                 forward_backward()
-                handle = pub.publish(wait=False)
+                handle = pub.publish(max_lag=None)
                 expected[handle.version] = digest(flatten(model))  # syncs: fine here
                 opt.step()  # right away: the copy may still be queued
             handle.wait(60)
@@ -461,7 +461,7 @@ def check_overlapped(checks: Checks, width: int) -> None:
             for _ in range(30):
                 forward_backward()
                 opt.step()
-                handles.append(pub.publish(wait=way == "sync"))
+                handles.append(pub.publish(max_lag=0 if way == "sync" else None))
             handles[-1].wait(60)
             torch.cuda.synchronize()
             blocked[way] = statistics.median([h.blocked for h in handles[5:]])
@@ -508,7 +508,7 @@ def run_bench(args: argparse.Namespace) -> int:
             waited.append(p.seconds)
         for _ in range(5):
             t0 = time.perf_counter()
-            p = pub.publish(wait=False)
+            p = pub.publish(max_lag=None)
             written.append(time.perf_counter() - t0)
             p.wait()
     finally:

@@ -428,49 +428,47 @@ class Publisher(Lifecycle):
         self,
         weights: Any = None,
         *,
-        wait: bool = True,
+        max_lag: int | None = 0,
         workers: Iterable[str] | None = None,
         timeout: float | None = DEFAULT,
         keys: Iterable[str | Key] | None = None,
-        max_lag: int | None = DEFAULT,
     ) -> Publish:
         """Write a new version into a free slot, announce it, and (by default) wait for acks.
 
         The steps, in order: read and check the weights; claim a slot no worker holds
         (waiting for acks if need be); write it under the seqlock; announce it (RECEIVE);
         wait for the acks. With ``Overlapped`` writes the copy of the optimizer's tensors
-        and the announcement happen in the background: ``publish(wait=False)`` returns
+        and the announcement happen in the background: ``publish(max_lag=None)`` returns
         once the rest is copied, and the next ``optimizer.step()`` waits only if that
         copy has not finished (`Publish.blocked` says how long the training thread waited).
 
         Args:
             weights: tensors to publish instead of re-reading the source (same keys,
                 shapes, dtypes; with `keys`, at least those).
-            wait: False returns at once; call `Publish.wait` later.
+            max_lag: how far behind this version the targets may still be when publish()
+                returns: 0 (the default) waits until every target acked it; k returns
+                once every target applied at least ``version - k`` (bounded staleness);
+                None returns at once (call `Publish.wait` later). A bound must leave the
+                next publish a free slot: at most ``slots - 1``; while an alias worker is
+                on the bus the bound applied is at most ``slots - 2`` (`Publish.max_lag`
+                says which). See docs/guide.md, "Staleness".
             workers: only these workers must ack (the others still get the version).
             timeout: one deadline for the whole publish; left out: the publisher's.
             keys: publish only these tensors (dotted names or key tuples, e.g. an
                 adapter's) as the new version; every other tensor keeps the value it had
                 in the last version, in every slot.
-            max_lag: bounded staleness: return once every target applied at least
-                ``version - max_lag`` (0: this version, as ``wait=True``; None: do not
-                wait, as ``wait=False``). Left out: `wait` decides. It must leave the
-                next publish a free slot: at most ``slots - 1``; while an alias worker is
-                on the bus the bound applied is at most ``slots - 2`` (`Publish.max_lag`
-                says which). See docs/guide.md, "Staleness".
 
         Raises:
             LayoutMismatch: `weights` has other keys, shapes or dtypes.
             PublishTimeout: with on_timeout="raise", workers did not ack (or still held
                 every slot, or stayed more than `max_lag` versions behind) before the
                 deadline.
-            ValueError: `max_lag` is negative, above ``slots - 1``, or given with
-                ``wait=False``.
+            ValueError: `max_lag` is negative or above ``slots - 1``.
             ClosedError: the publisher is not started.
         """
         acks = self._usable()
         started = time.perf_counter()
-        lag = self._check_lag(wait, max_lag)
+        lag = self._check_lag(max_lag)
         deadline = Deadline(self._timeout if timeout is DEFAULT else timeout)
         mode = self._mode
         flat, named = mode.read(weights, self._source.named(keys))
@@ -494,16 +492,14 @@ class Publisher(Lifecycle):
             handle.wait(deadline.remaining(), max_lag=lag)
         return handle
 
-    def _check_lag(self, wait: bool, max_lag: int | None) -> int | None:
+    def _check_lag(self, max_lag: int | None) -> int | None:
         """The bound a publish waits for (None: none), or ValueError for one that cannot
         hold: with more versions in flight than slots, the claim of a free slot would
         become the real bound, unseen."""
-        if max_lag is DEFAULT:
-            return 0 if wait else None
-        if not wait and max_lag is not None:
-            raise ValueError("wait=False is max_lag=None: give one of them, not both")
         if max_lag is None:
             return None
+        if max_lag == 0 and type(max_lag) is int:  # the default, on every publish: no more
+            return 0
         if isinstance(max_lag, bool) or not isinstance(max_lag, int) or max_lag < 0:
             raise ValueError(f"max_lag must be an int >= 0 or None, not {max_lag!r}")
         room = self.max_lag_allowed

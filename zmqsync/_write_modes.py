@@ -429,7 +429,7 @@ class Landing(Writes, Mode):
     often straight from the network into a slot it reserved long before.
 
     Not for trainers (it is not exported): a relay calls `reserve`, `open` and `stage`,
-    then its publisher's ``publish(wait=False)``; the version keeps the root's number.
+    then its publisher's ``publish(max_lag=None)``; the version keeps the root's number.
     """
 
     def __init__(self) -> None:

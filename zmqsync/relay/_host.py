@@ -131,7 +131,7 @@ class _LocalBus:
         """Publish `version`, its bytes written by `fill(flat slot)`, into `slot` if given
         (from `reserve_slot`), else into the slot the publisher claims."""
         self._landing.stage(version, fill, slot)
-        return self.publisher.publish(wait=False, timeout=timeout)
+        return self.publisher.publish(max_lag=None, timeout=timeout)
 
 
 @dataclass

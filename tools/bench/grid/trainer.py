@@ -8,7 +8,7 @@ torchrl sender waiting forever on a dead receiver is killed with its group):
 
 * ``none``: no publishing, the loop's own speed.
 * ``sync``: ``publish()`` after ``step()``: a copy into a free slot, then the acks.
-* ``overlapped``: ``Publisher(..., optimizer=opt)`` and ``publish(wait=False)``: the
+* ``overlapped``: ``Publisher(..., optimizer=opt)`` and ``publish(max_lag=None)``: the
   parameters are copied while the next forward and backward run; ``step()`` waits only
   if that copy is unfinished.
 * ``torchrl-collector``: torchrl's ``SharedMemWeightSyncScheme`` as its collectors use it
@@ -296,7 +296,7 @@ def _zmqsync_way(
                 handles: list[Any] = []
 
                 def publish(blocked: list[float], to_ack: list[float]) -> None:
-                    handle = pub.publish(wait=False)
+                    handle = pub.publish(max_lag=None)
                     handles.append(handle)
                     watch.handles.put(handle)
 

@@ -213,12 +213,12 @@ def resume(args: argparse.Namespace) -> dict[str, object]:
                 worker.send_signal(signal.SIGSTOP)
                 if _wait(lambda: "paused" not in pub.workers, 6 * args.heartbeat + 60) is None:
                     raise SystemExit("the paused worker was never dropped")
-                version = pub.publish(wait=False).version
+                version = pub.publish(max_lag=None).version
                 worker.send_signal(signal.SIGCONT)
                 back = _wait(lambda v=version: _acked(pub, "paused", v), 60)
                 backs.append(None if back is None else round(back, 3))
                 procs.kill(hot)
-                _wait(lambda: _acked(pub, "paused", pub.publish(wait=False).version), 30, 0.5)
+                _wait(lambda: _acked(pub, "paused", pub.publish(max_lag=None).version), 30, 0.5)
             counters = pub.counters
     finally:
         procs.kill()
@@ -297,7 +297,7 @@ def saturated(args: argparse.Namespace) -> dict[str, object]:
             in_while_hot = len(pub.workers)
             acking_while_hot = sum(_acked(pub, w, 0) for w in ids)
             procs.kill(hot)
-            version = pub.publish(wait=False).version
+            version = pub.publish(max_lag=None).version
             settled = _wait(lambda: all(_acked(pub, w, version) for w in ids), 120, 0.05)
             acking = sum(_acked(pub, w, version) for w in ids)
             counters = pub.counters
@@ -337,7 +337,7 @@ def _paused_once(pub: zmqsync.Publisher, victim: subprocess.Popen[str], pause: s
         time.sleep(0.02)
     victim.send_signal(signal.SIGCONT)
     resumed = time.monotonic()
-    version = pub.publish(wait=False).version
+    version = pub.publish(max_lag=None).version
     back = _wait(
         lambda: _acked(pub, "victim", version) and pub.workers["victim"].pid == victim.pid, 60
     )

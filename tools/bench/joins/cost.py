@@ -115,7 +115,7 @@ def trainer(name: str, storm: str, kind: str, flat: bool) -> int:
                 _say(workers=len(pub.workers))
             elif cmd == "publish":
                 t0 = time.perf_counter()
-                p = pub.publish(wait=False)
+                p = pub.publish(max_lag=None)
                 p.wait(timeout=PUBLISH_S)
                 _say(
                     seconds=time.perf_counter() - t0,
