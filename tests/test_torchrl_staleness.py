@@ -23,6 +23,7 @@ with warnings.catch_warnings():
     from torchrl.weight_update import SharedMemWeightSyncScheme
     from torchrl.weight_update.weight_sync_schemes import WeightSyncScheme
 
+    import zmqsync
     from tests.test_torchrl import make_env, make_policy, set_version, versions
     from zmqsync.integrations.torchrl import ZmqWeightSyncScheme
 
@@ -63,12 +64,22 @@ def test_max_lag_options_are_checked_where_they_are_given():
     for bad in ({"max_lag": -1}, {"max_lag": 1.5}, {"sync": False, "max_lag": 1}):
         with pytest.raises(ValueError, match="max_lag"):
             ZmqWeightSyncScheme(**bad)
-    with ZmqWeightSyncScheme(max_lag=2, live=False) as scheme:  # 2 slots hold max_lag=1
+    with ZmqWeightSyncScheme(max_lag=2, writes=zmqsync.Copy()) as scheme:  # 2 slots: lag 1
         with pytest.raises(ValueError, match="max_lag=2 needs slots >= 3"):
             scheme.init_on_sender(model_id="policy", model=make_policy())
-    with ZmqWeightSyncScheme(max_lag=2, live=True) as live:  # no slot to wait for
+    with ZmqWeightSyncScheme(max_lag=2, writes=zmqsync.Live()) as live:  # no slot to wait for
         live.init_on_sender(model_id="policy", model=make_policy())
         live.send()
+
+
+def test_a_live_bus_is_asked_for_with_writes_alone():
+    import inspect
+
+    assert "live" not in inspect.signature(ZmqWeightSyncScheme).parameters
+    assert ZmqWeightSyncScheme(writes=zmqsync.Live()).live
+    assert not ZmqWeightSyncScheme(writes=zmqsync.Copy()).live
+    with pytest.raises(ValueError, match="writes=Live.. shares the trainer.s tensors"):
+        ZmqWeightSyncScheme(writes=zmqsync.Live(), mode="copy")
 
 
 def test_update_returns_with_every_worker_at_most_max_lag_behind():

@@ -36,7 +36,7 @@ It hooks in where torchrl's ``SharedMemWeightSyncScheme`` does:
   ``update_policy_weights_()``. This scheme does the same where torchrl would (the
   collector's own CPU policy, or a ``params_map`` the caller put in shared memory): a
   live bus (``Publisher(writes=Live())``), alias workers, a publish that only notifies.
-  Elsewhere, and with ``live=False``, versions are atomic copies.
+  Elsewhere, and with ``writes=Copy()`` given, versions are atomic copies.
 * **Per-worker weights** (``per_worker_weights=True``, distinct policy factories, or a
   ``params_map`` of distinct TensorDicts): one bus per worker, ``<name>-<i>``.
 * **Lifetime.** torchrl never shuts a scheme down: a scheme dropped with its collector
@@ -149,20 +149,21 @@ class ZmqWeightSyncScheme(WeightSyncScheme):  # type: ignore[misc]
             ``<worker_id>-w<i>``. None: ``<name>-w<i>`` (``<host>-<pid>-w<i>`` with
             attach=True), and ``<host>-<pid>`` for a collector started on its own.
         strategy: torchrl's weight format for ``apply_weights``; kept for compatibility.
-        live: True: the trainer's tensors move into the bus's segment and the workers
-            alias them, as torchrl's schemes share a CPU policy (versions are not atomic:
-            see the zmqsync guide); False: atomic versions, copied at each publish. None:
-            live where torchrl's semantics require it: the collector's own CPU policy,
-            or a ``params_map`` already in shared memory, unless ``mode="copy"`` or
-            ``apply="manual"`` asks for copies.
         per_worker_weights: each torchrl worker gets weights of its own (one bus per
             worker); set by itself for distinct policy factories or a ``params_map`` of
             distinct TensorDicts. ``send({i: weights_i})`` updates worker ``i``.
         **bus: options of `zmqsync.Publisher`, passed to it as they are: ``slots``,
-            ``timeout``, ``on_timeout``, ``heartbeat``, ``writes`` (not with a live bus),
-            ``security``, ``shm_dir``. Receivers use ``timeout`` for their handshake and
-            the sender's ``shm_dir``. Their names are checked here, their values by the
-            Publisher when the sender starts.
+            ``timeout``, ``on_timeout``, ``heartbeat``, ``writes``, ``security``,
+            ``shm_dir``. ``writes`` is also the one knob for a live bus:
+            ``writes=Live()``: the trainer's tensors move into the bus's segment and the
+            workers alias them, as torchrl's schemes share a CPU policy (versions are not
+            atomic: see the zmqsync guide); any other ``writes`` (``Copy()``): atomic
+            versions, copied at each publish; left out: live where torchrl's semantics
+            require it (the collector's own CPU policy, or a ``params_map`` already in
+            shared memory) unless ``mode="copy"`` or ``apply="manual"`` asks for copies.
+            Receivers use ``timeout`` for their handshake and the sender's ``shm_dir``.
+            Their names are checked here, their values by the Publisher when the sender
+            starts.
     """
 
     def __init__(
@@ -177,7 +178,6 @@ class ZmqWeightSyncScheme(WeightSyncScheme):  # type: ignore[misc]
         attach: bool = False,
         worker_id: str | None = None,
         strategy: str = "tensordict",
-        live: bool | None = None,
         per_worker_weights: bool = False,
         **bus: Any,
     ) -> None:
@@ -198,18 +198,15 @@ class ZmqWeightSyncScheme(WeightSyncScheme):  # type: ignore[misc]
         if apply not in ("background", "manual"):
             raise ValueError(f'apply must be "background" or "manual", not {apply!r}')
         _check_bus_options(bus)
-        if isinstance(bus.get("writes"), Live):
-            if live is False:
-                raise ValueError("writes=Live() is a live bus: not with live=False")
-            live = True
-        elif live and "writes" in bus:
-            raise ValueError("a live bus writes Live(): leave writes= out with live=True")
+        # one knob for a live bus: writes=Live() asks for it, any other writes= for atomic
+        # copies; left out, the sender decides (see `_start`)
+        live = isinstance(bus["writes"], Live) if "writes" in bus else None
         if attach and name is None and address is None:
             raise ValueError("attach=True needs the name (or address) of the bus to join")
         if live and (mode == "copy" or apply == "manual"):
             raise ValueError(
-                'live=True shares the trainer\'s tensors with alias workers: not with mode="copy" '
-                'or apply="manual"'
+                "writes=Live() shares the trainer's tensors with alias workers: not with "
+                'mode="copy" or apply="manual"'
             )
         if per_worker_weights and address is not None:
             raise ValueError(
@@ -404,7 +401,7 @@ class ZmqWeightSyncScheme(WeightSyncScheme):  # type: ignore[misc]
         else:
             live = self._live_arg
         if live and not cpu_only:
-            raise ValueError("live=True shares CPU tensors: these weights are on a GPU")
+            raise ValueError("writes=Live() shares CPU tensors: these weights are on a GPU")
         self._live = live
         self._mode = "alias" if live else self._mode_arg or "copy"
         publisher = Publisher(
