@@ -22,6 +22,7 @@ import torch
 from . import _places as places
 from ._errors import LayoutMismatch
 from ._protocol import ALIGN, DTYPES, TensorSpec, contiguous_stride
+from ._tensor_kinds import check_kinds, odd_type
 
 if TYPE_CHECKING:
     from tensordict import TensorDictBase
@@ -65,15 +66,18 @@ def _round_up(n: int, to: int) -> int:
     return -(-n // to) * to
 
 
-def flatten(weights: Any, *, detach: bool = True) -> dict[Key, torch.Tensor]:
+def flatten(weights: Any, *, detach: bool = True, sharded: bool = False) -> dict[Key, torch.Tensor]:
     """``{key: tensor}`` for a module (parameters and buffers), TensorDict or state_dict.
 
     Args:
         detach: False leaves module parameters as they are (a caller that only reads
-            them under no_grad saves a tensor object per parameter).
+            them under no_grad saves a tensor object per parameter). It is also how a
+            publish reads: then only each tensor's type is checked, not all it is.
+        sharded: DTensors are expected (a sharded publisher's weights).
 
     Raises:
-        TypeError: `weights` is none of the accepted kinds, or holds a non-tensor.
+        TypeError: `weights` is none of the accepted kinds, or holds a non-tensor or a
+            tensor no slot can hold (`_tensor_kinds`: named, one line).
     """
     if isinstance(weights, torch.nn.Module):
         flat = _module_tensors(weights)
@@ -104,6 +108,10 @@ def flatten(weights: Any, *, detach: bool = True) -> dict[Key, torch.Tensor]:
         )
     if not flat:
         raise ValueError("weights hold no tensors: nothing to publish")
+    if detach:
+        check_kinds(flat, sharded=sharded)
+    else:
+        odd_type(flat, sharded=sharded)
     return flat
 
 

@@ -15,6 +15,7 @@ import torch
 
 from ._errors import LayoutMismatch
 from ._layout import Key, Layout, ModuleReader, _is_tensordict, flatten
+from ._tensor_kinds import is_dtensor
 
 __all__ = ["Source", "cast_to", "trainer_tensors"]
 
@@ -34,7 +35,8 @@ class Source:
 
     def __init__(self, weights: Any) -> None:
         self.weights = weights
-        flat = flatten(weights)
+        flat = flatten(weights, sharded=True)  # DTensors: a sharded publisher (`_shards`)
+        self.sharded = any(map(is_dtensor, flat.values()))
         placed = {key: _tensor_device(t) for key, t in flat.items()}
         devices = set(placed.values())
         other = sorted(d for d in devices if d != "cpu" and not d.startswith("cuda:"))
@@ -70,7 +72,8 @@ class Source:
         """The tensors to publish, unchecked: `weights`, or the source re-read."""
         if weights is None and self._reader is not None:
             return self._reader.read()
-        return flatten(self.weights if weights is None else weights, detach=False)
+        given = self.weights if weights is None else weights
+        return flatten(given, detach=False, sharded=self.sharded)
 
     def read(self, weights: Any, named: frozenset[Key] | None) -> dict[Key, torch.Tensor]:
         """The tensors to publish: `weights`, or the source re-read; checked (a partial
