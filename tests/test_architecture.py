@@ -4,6 +4,7 @@ ones inside functions): a module map is only worth what keeps it true."""
 from __future__ import annotations
 
 import ast
+import inspect
 import subprocess
 import sys
 from pathlib import Path
@@ -396,6 +397,27 @@ def test_the_allowlist_only_names_modules_still_over_the_limit():
     assert done == {}, "these are under the limit now: drop them from OVER_THE_LIMIT"
 
 
+# --- constructor size --------------------------------------------------------------------
+
+# The most parameters each public constructor takes: options that belong together go
+# into one small frozen object holding only those that apply (`writes=Copy(...)`,
+# `security=Security(...)`, a relay's `tree=Branch(...)`), instead of a long flat list.
+MAX_PARAMETERS = [
+    ("Publisher", 10),
+    ("Relay", 10),
+    ("RelayRoot", 10),
+    ("Subscriber", 8),
+]
+
+
+@pytest.mark.parametrize(("cls", "limit"), MAX_PARAMETERS)
+def test_public_constructors_stay_small(cls, limit):
+    import zmqsync  # here: the import rules above need only the source
+
+    params = inspect.signature(getattr(zmqsync, cls)).parameters
+    assert len(params) <= limit, f"{cls} takes {len(params)} parameters: {list(params)}"
+
+
 # --- measurement and import cycles --------------------------------------------------------
 
 # What measures zmqsync lives in a checkout's tools/bench/ (`python -m tools.bench`), not in
@@ -495,3 +517,16 @@ def test_no_import_cycle(scope):
 def test_the_cycle_check_finds_a_cycle():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [("a", "b", "c")]
     assert _relative_edges("zmqsync._publisher")  # it does import its siblings
+
+
+# Whom a peer trusts is `security=Security(...)`'s, on every public class alike.
+LOOSE_SECURITY = ("curve", "insecure", "tap", "publisher_uid", "group", "max_workers")
+
+
+@pytest.mark.parametrize("cls", [entry[0] for entry in MAX_PARAMETERS])
+def test_no_public_class_takes_a_loose_security_knob(cls):
+    import zmqsync
+
+    params = set(inspect.signature(getattr(zmqsync, cls)).parameters)
+    assert "security" in params
+    assert not params & set(LOOSE_SECURITY), f"{cls}: use security=Security(...)"

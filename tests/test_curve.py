@@ -221,7 +221,7 @@ def test_relay_root_reads_a_curve_bus_and_a_relay_serves_one(name, bus_dirs):
             zmqsync.RelayRoot(
                 trainer_address,
                 name=name,
-                init_method="tcp://127.0.0.1:0",
+                tree=zmqsync.Tree("tcp://127.0.0.1:0"),
                 ack="tree",
                 timeout=8,
                 heartbeat=HEARTBEAT_S,

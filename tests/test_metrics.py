@@ -565,8 +565,8 @@ def test_every_metric_is_documented():
     finally:
         state.close()
     relays = RelayCollector(
-        zmqsync.RelayRoot(name="x", init_method="tcp://127.0.0.1:0"),
-        zmqsync.Relay(name="x", init_method="tcp://127.0.0.1:1"),
+        zmqsync.RelayRoot(name="x", tree=zmqsync.Tree("tcp://127.0.0.1:0")),
+        zmqsync.Relay(name="x", tree=zmqsync.Branch("tcp://127.0.0.1:1")),
     )
     families += relays.describe()
     shown = {f.name + ("_total" if f.type == "counter" else "") for f in families}

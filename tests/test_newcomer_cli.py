@@ -505,9 +505,9 @@ def test_every_option_of_the_newcomer_commands_has_help():
 
 
 def test_the_relay_chunk_default_is_the_relay_roots():
-    from zmqsync.relay import _root
+    from zmqsync.relay import Tree
 
-    assert _config.RELAY_CHUNK_MB == _root.DEFAULT_CHUNK_MB
+    assert _config.RELAY_CHUNK_MB == Tree().chunk_mb
 
 
 def test_help_texts_make_no_promises_of_speed_and_name_no_tracker():

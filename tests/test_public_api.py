@@ -220,13 +220,24 @@ def test_every_public_class_takes_security_and_refuses_the_options_of_the_other_
     sub = zmqsync.Subscriber(name="x", security=zmqsync.Security(curve=client, publisher_uid=0))
     sub.close()
     root = zmqsync.RelayRoot(
-        name="x", init_method="tcp://198.51.100.3:29500", security=zmqsync.Security(insecure=True)
+        name="x",
+        tree=zmqsync.Tree("tcp://198.51.100.3:29500"),
+        security=zmqsync.Security(insecure=True),
     )  # a root may say its rendezvous network is trusted; no I/O until start()
     assert root.address == ""
     for cls in (zmqsync.Publisher, zmqsync.Subscriber, zmqsync.Relay, zmqsync.RelayRoot):
         params = inspect.signature(cls).parameters
         assert "security" in params
         assert not {"curve", "insecure", "tap", "publisher_uid"} & set(params), cls
+
+
+def test_the_relay_options_are_exported_beside_the_relays():
+    # each side of a relay tree takes its own options object, found where its class is
+    import zmqsync.relay
+
+    assert (zmqsync.Tree, zmqsync.Branch) == (zmqsync.relay.Tree, zmqsync.relay.Branch)
+    for cls, kind in ((zmqsync.RelayRoot, zmqsync.Tree), (zmqsync.Relay, zmqsync.Branch)):
+        assert inspect.signature(cls).parameters["tree"].default == kind()
 
 
 def test_publish_has_one_knob_for_how_long_it_waits():

@@ -9,6 +9,7 @@ version a worker applies is checked against the checksum the trainer published w
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
@@ -34,6 +35,7 @@ from zmqsync.relay._messages import RELAY
 from zmqsync.relay._rendezvous import rendezvous
 
 HB = 0.25  # heartbeat everywhere: a peer is lost after ~1.5 s of silence
+LOOPBACK = zmqsync.Tree("tcp://127.0.0.1:0")  # a root's rendezvous on any free local port
 
 
 def weights(version: int) -> dict:
@@ -162,9 +164,7 @@ def test_two_relays_every_version_verified_through_kill_and_restart(name, hosts,
     expected = {0: digest(flatten(weights(0)))}
     with (
         zmqsync.Publisher(weights(0), name=name, timeout=30, heartbeat=HB) as pub,
-        zmqsync.RelayRoot(
-            name=name, init_method="tcp://127.0.0.1:0", ack="tree", timeout=8, heartbeat=HB
-        ) as root,
+        zmqsync.RelayRoot(name=name, tree=LOOPBACK, ack="tree", timeout=8, heartbeat=HB) as root,
     ):
         env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(root.init_method_url.split(":")[-1])}
         a, b = hosts("hostA", **env), hosts("hostB", **env)
@@ -252,11 +252,10 @@ def test_hung_relay_is_dropped_within_the_deadline_and_rejoins(name, hosts):
         zmqsync.Publisher({"w": torch.zeros(64 * 1024)}, name=name, timeout=30) as pub,
         zmqsync.RelayRoot(
             name=name,
-            init_method="tcp://127.0.0.1:0",
+            tree=zmqsync.Tree("tcp://127.0.0.1:0", chunk_mb=0.0625),  # 4 chunks per version
             ack="relays",
             timeout=6,  # collectives time out after 6 heartbeats (1.5 s), well within
             heartbeat=HB,
-            chunk_mb=0.0625,  # 4 chunks per version
         ) as root,
     ):
         url = root.init_method_url
@@ -320,7 +319,7 @@ def test_raise_mode_withholds_the_ack_from_a_late_relay(name, hosts):
     with zmqsync.Publisher({"w": torch.zeros(1000)}, name=name, timeout=4, heartbeat=HB) as pub:
         with zmqsync.RelayRoot(
             name=name,
-            init_method=f"tcp://127.0.0.1:{port}",
+            tree=zmqsync.Tree(f"tcp://127.0.0.1:{port}"),
             ack="tree",
             timeout=2,
             on_timeout="raise",
@@ -378,8 +377,7 @@ def test_cli_root_process_and_an_in_process_relay(name, spawn, bus_dirs):
         with zmqsync.Relay(
             local,
             name=name,
-            init_method=url,
-            relay_id="inproc",
+            tree=zmqsync.Branch(url, relay_id="inproc"),
             heartbeat=HB,
             security=zmqsync.Security(tap=True),
             on_update=seen.append,
@@ -419,11 +417,13 @@ def in_process_tree(name: str, bus_dirs, sock: str, *, ack: str, relay_timeout: 
     local = f"ipc://{runtime}/{sock}"
     with (
         zmqsync.Publisher({"w": torch.zeros(4096)}, name=name, timeout=20, heartbeat=HB) as pub,
-        zmqsync.RelayRoot(
-            name=name, init_method="tcp://127.0.0.1:0", ack=ack, timeout=8, heartbeat=HB
-        ) as root,
+        zmqsync.RelayRoot(name=name, tree=LOOPBACK, ack=ack, timeout=8, heartbeat=HB) as root,
         zmqsync.Relay(
-            local, name=name, init_method=root.init_method_url, heartbeat=HB, timeout=relay_timeout
+            local,
+            name=name,
+            tree=zmqsync.Branch(root.init_method_url),
+            heartbeat=HB,
+            timeout=relay_timeout,
         ) as relay,
     ):
         assert relay.wait_for_version(0, timeout=30)
@@ -466,28 +466,70 @@ def test_relay_settings_are_checked_before_any_connection(monkeypatch):
     monkeypatch.delenv("MASTER_ADDR", raising=False)
     with pytest.raises(ValueError, match="MASTER_ADDR and MASTER_PORT"):
         zmqsync.Relay(name="x")
+    remote = zmqsync.Branch("tcp://198.51.100.3:29500")
     with pytest.raises(ValueError, match="no authentication"):
-        zmqsync.Relay(name="x", init_method="tcp://198.51.100.3:29500")
-    zmqsync.Relay(
-        name="x",
-        init_method="tcp://198.51.100.3:29500",
-        security=zmqsync.Security(insecure=True),
-    )  # no I/O
+        zmqsync.Relay(name="x", tree=remote)
+    zmqsync.Relay(name="x", tree=remote, security=zmqsync.Security(insecure=True))  # no I/O
     with pytest.raises(ValueError, match="slots >= 2"):
-        zmqsync.Relay(name="x", init_method="tcp://127.0.0.1:1", slots=1)
+        zmqsync.Relay(name="x", tree=zmqsync.Branch("tcp://127.0.0.1:1"), slots=1)
     with pytest.raises(ValueError, match='ack must be "tree" or "relays"'):
-        zmqsync.RelayRoot(name="x", init_method="tcp://127.0.0.1:0", ack="all")
+        zmqsync.RelayRoot(name="x", tree=LOOPBACK, ack="all")
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="NCCL"):
-            zmqsync.RelayRoot(name="x", init_method="tcp://127.0.0.1:0", backend="nccl")
+            zmqsync.RelayRoot(name="x", tree=zmqsync.Tree("tcp://127.0.0.1:0", backend="nccl"))
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", "29999")
     assert zmqsync.Relay(name="x")._port == 29999
 
 
+def test_tree_and_branch_check_their_options_and_each_side_takes_its_own(monkeypatch):
+    # made before MASTER_ADDR is set (as a default argument is): env:// is read by the
+    # Relay or RelayRoot that is given one, not by the options
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    assert zmqsync.Tree().init_method is None and zmqsync.Branch().relay_id is None
+    with pytest.raises(ValueError, match="init_method 'udp://x:1'"):
+        zmqsync.Branch("udp://x:1")
+    with pytest.raises(ValueError, match="port '70000'"):
+        zmqsync.Tree("tcp://127.0.0.1:70000")
+    with pytest.raises(ValueError, match='backend=\\) must be "gloo" or "nccl"'):
+        zmqsync.Tree(backend="mpi")
+    with pytest.raises(ValueError, match='NCCL stages each chunk.*backend="nccl"'):
+        zmqsync.Tree(device="cuda:1")  # gloo never touches a GPU
+    for chunk_mb in (0, -1.0, float("inf"), "16"):
+        with pytest.raises(ValueError, match="chunk_mb"):
+            zmqsync.Tree(chunk_mb=chunk_mb)
+    with pytest.raises(ValueError, match="collective_timeout"):
+        zmqsync.Tree(collective_timeout=0)
+    with pytest.raises(ValueError, match="relay_id must be 1 to 128 printable"):
+        zmqsync.Branch(relay_id="host b")
+    with pytest.raises(ValueError, match="join_timeout"):
+        zmqsync.Branch(join_timeout=-1)
+    with pytest.raises(TypeError, match="positional"):
+        zmqsync.Tree("tcp://127.0.0.1:0", "nccl")  # everything but the address by name
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        zmqsync.Tree().backend = "nccl"  # type: ignore[misc]
+    # each side takes its own object, and says which one
+    with pytest.raises(
+        TypeError, match=r"Relay\(tree=\) takes a zmqsync.Branch.*a Tree is how a root"
+    ):
+        zmqsync.Relay(name="x", tree=LOOPBACK)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"RelayRoot\(tree=\) takes a zmqsync.Tree"):
+        zmqsync.RelayRoot(name="x", tree="tcp://127.0.0.1:0")  # type: ignore[arg-type]
+    # what the objects hold reaches the relay and the root (no I/O before start)
+    relay = zmqsync.Relay(
+        name="x", tree=zmqsync.Branch("tcp://127.0.0.1:1", relay_id="b1", join_timeout=3)
+    )
+    assert (relay.relay_id, relay._port, relay._join_timeout) == ("b1", 1, 3.0)
+    assert zmqsync.Relay(name="x", tree=zmqsync.Branch("tcp://127.0.0.1:1")).relay_id
+    tree = zmqsync.Tree("tcp://127.0.0.1:0", chunk_mb=1, collective_timeout=2)
+    root = zmqsync.RelayRoot(name="x", tree=tree, timeout=5)
+    assert (root._chunk_bytes, root._op_timeout) == (2**20, 2.0)
+    assert isinstance(root.tree, str)  # the tree's id, as before
+
+
 def test_root_refuses_a_one_slot_bus(name):
     with zmqsync.Publisher({"w": torch.zeros(4)}, name=name, slots=1):
-        root = zmqsync.RelayRoot(name=name, init_method="tcp://127.0.0.1:0", timeout=5)
+        root = zmqsync.RelayRoot(name=name, tree=LOOPBACK, timeout=5)
         with pytest.raises(zmqsync.ZmqSyncError, match="slots >= 2"):
             root.start()
 

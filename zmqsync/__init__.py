@@ -35,11 +35,12 @@ if _typing.TYPE_CHECKING:  # what type checkers and IDEs see: the names, eagerly
     from ._security import CurveClient, CurveServer, Security, curve_keypair
     from ._subscriber import Reading, Subscriber
     from ._writes import Copy, Live, Overlapped
-    from .relay import Relay, RelayRoot
+    from .relay import Branch, Relay, RelayRoot, Tree
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Branch",
     "BufferUnavailable",
     "ClosedError",
     "ConnectTimeout",
@@ -61,6 +62,7 @@ __all__ = [
     "Security",
     "SharedMemoryFull",
     "Subscriber",
+    "Tree",
     "WorkerInfo",
     "ZmqSyncError",
 ]
@@ -90,6 +92,8 @@ _WHERE = {
     "Subscriber": "._subscriber",
     "Relay": ".relay",
     "RelayRoot": ".relay",
+    "Branch": ".relay",
+    "Tree": ".relay",
 }
 
 

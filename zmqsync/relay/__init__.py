@@ -16,7 +16,9 @@ Three planes, each with the tool made for it:
 
 * **rendezvous** (`_rendezvous`): a torch ``TCPStore`` hosted by the root at
   ``MASTER_ADDR:MASTER_PORT`` (``init_method="env://"``, the default, or
-  ``"tcp://host:port"``). It also tells relays where the two ZeroMQ sockets are.
+  ``"tcp://host:port"``: the root's `Tree` and each relay's `Branch` name it; each side
+  takes one such object, holding only the options that apply to it, see `_options`). It
+  also tells relays where the two ZeroMQ sockets are.
 * **control** (`_messages`, `_root_agent`, `_host_agent`): ZeroMQ, ROUTER at the root,
   DEALER at each relay, both owned by agent threads: join, generations, heartbeats,
   reports. Per version, a second pair carries the "version v is on its way" notice and
@@ -41,9 +43,9 @@ Theory of operation (the invariants the code keeps):
    after the group's timeout and leaves the group unusable; NCCL, without its watchdog,
    waits forever; ``abort()`` on a gloo group hangs). So the root runs them on a
    per-generation executor thread and waits for them with a `Deadline`; a relay waits
-   on its data thread. Every wait carries a timeout (``collective_timeout``, by default
-   about the time it takes to declare a silent relay lost), which bounds how long a hung
-   peer can hold the others. Liveness and reports travel on ZeroMQ, so a stuck
+   on its data thread. Every wait carries a timeout (``Tree(collective_timeout=)``, by
+   default about the time it takes to declare a silent relay lost), which bounds how long
+   a hung peer can hold the others. Liveness and reports travel on ZeroMQ, so a stuck
    collective never silences a heartbeat.
 2. **A generation is a fixed member list with a fresh process group.** Any failure (a
    relay dead or silent for ~6 heartbeats, a collective error or timeout, an eviction,
@@ -77,7 +79,8 @@ dead-publisher behaviour) and re-join when the relay restarts on the host.
 from ._carrier import Relayed
 from ._host import Relay
 from ._messages import RelayInfo
+from ._options import Branch, Tree
 from ._root import RelayRoot
 from ._root_agent import inspect_relays
 
-__all__ = ["Relay", "RelayInfo", "RelayRoot", "Relayed", "inspect_relays"]
+__all__ = ["Branch", "Relay", "RelayInfo", "RelayRoot", "Relayed", "Tree", "inspect_relays"]

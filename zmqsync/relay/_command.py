@@ -19,6 +19,7 @@ from .._cli import signals
 from .._security import Security
 from ._carrier import Relayed
 from ._host import Relay
+from ._options import Branch, Tree
 from ._root import RelayRoot
 
 __all__ = ["run_relay"]
@@ -81,18 +82,21 @@ def _root(args: argparse.Namespace, emit: Emit) -> RelayRoot:
             }
         )
 
+    tree = Tree(
+        args.init_method,
+        backend=args.backend,
+        device=args.device,
+        chunk_mb=args.chunk_mb,
+        collective_timeout=args.collective_timeout,
+    )
     return RelayRoot(
         args.address,
         name=args.name,
-        init_method=args.init_method,
-        backend=args.backend,
+        tree=tree,
         ack=args.ack,
         timeout=args.timeout,
         on_timeout=args.on_timeout,
         heartbeat=args.heartbeat,
-        chunk_mb=args.chunk_mb,
-        collective_timeout=args.collective_timeout,
-        device=args.device,
         on_relayed=relayed,
         security=Security(insecure=args.insecure),
     )
@@ -100,17 +104,20 @@ def _root(args: argparse.Namespace, emit: Emit) -> RelayRoot:
 
 def _relay(args: argparse.Namespace, emit: Emit) -> Relay:
     """The relay the arguments describe, reporting each version it publishes here."""
+    tree = Branch(
+        args.init_method,
+        relay_id=args.relay_id,
+        device=args.device,
+        join_timeout=args.connect_timeout,
+    )
     return Relay(
         args.address,
         name=args.name,
-        init_method=args.init_method,
-        relay_id=args.relay_id,
+        tree=tree,
         slots=args.slots,
         timeout=args.timeout,
         on_timeout=args.on_timeout,
         heartbeat=args.heartbeat,
-        device=args.device,
         on_update=lambda v: emit({"event": "published", "version": v}),
-        join_timeout=args.connect_timeout,
         security=Security(curve=True if args.curve else None, insecure=args.insecure),
     )

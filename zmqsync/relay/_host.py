@@ -45,7 +45,8 @@ from .._sockets import NOBLOCK
 from .._write_modes import Landing
 from ._data_channel import DataLink
 from ._host_agent import Holding, Inbox, RelayAgent
-from ._messages import RELAY, RELAY_ID, Commit, Prepare, Report, Send
+from ._messages import RELAY, Commit, Prepare, Report, Send
+from ._options import Branch, check_relay_id, require
 from ._rendezvous import data_identity, rendezvous, require_trusted
 from ._wire import (
     Posted,
@@ -63,6 +64,7 @@ __all__ = ["Relay"]
 
 log = logging.getLogger(__name__)
 DEFAULT_SECURITY = Security()
+DEFAULT_BRANCH = Branch()
 
 _INBOX_POLL_S = 0.01  # the data thread: agent messages wait at most this long
 _SWEEP_S = 5.0  # the wait thread removes segments nobody maps this often
@@ -159,9 +161,9 @@ class Relay(Lifecycle):
     Args:
         address: this host's bus address; None: the default address for `name`.
         name: bus name (the root's bus name too).
-        init_method: ``"env://"`` (default) or ``"tcp://HOST:PORT"`` of the root's store.
-        relay_id: id on the tree (default: the host name); a relay that restarts with
-            the same id replaces the old one.
+        tree: how this relay finds the tree and joins it, a `Branch`: the root's
+            rendezvous (``env://`` by default), its id on the tree (default: the host
+            name), its NCCL staging device, how long `start` waits for a root.
         slots: slots of the local bus (>= 2).
         timeout: the local bus's publish deadline (keep it below the root's timeout in
             tree mode).
@@ -169,14 +171,19 @@ class Relay(Lifecycle):
             workers to the root either way).
         heartbeat: heartbeat interval (s) towards the root and on the local bus.
         shm_dir: for the local bus (see `Publisher`).
-        device: CUDA device for the NCCL staging buffer.
         on_update: callable(version) run after each version is on the local bus.
-        join_timeout: start() deadline for the first join (default: `timeout`); a relay
-            started before its root waits this long.
         security: the local bus's, as a `Publisher` takes it (``curve=True`` makes keys
             and leaves the client's in this host's runtime dir for the local workers, or
             a CurveServer; ``tap=``, ``max_workers=``, ...); its ``insecure=True`` also
             allows a non-loopback rendezvous address (see `RelayRoot`).
+
+    Attributes:
+        relay_id: this relay's id on the tree (the `Branch`'s, or the host name).
+
+    Raises:
+        TypeError: `tree` is not a `Branch`, or `security` not a `Security`.
+        ValueError: an option out of range, or a rendezvous other hosts can reach
+            without ``insecure=True``.
     """
 
     def __init__(
@@ -184,24 +191,21 @@ class Relay(Lifecycle):
         address: str | None = None,
         *,
         name: str = "weights",
-        init_method: str | None = None,
-        relay_id: str | None = None,
+        tree: Branch = DEFAULT_BRANCH,
         slots: int = 2,
         timeout: float = 10.0,
         on_timeout: str = "evict",
         heartbeat: float = 0.5,
         shm_dir: str | None = None,
-        device: str | None = None,
         on_update: Callable[[int], None] | None = None,
-        join_timeout: float | None = None,
         security: Security = DEFAULT_SECURITY,
     ) -> None:
+        require(tree, Branch, "Relay")
         if not isinstance(security, Security):
             raise TypeError(f"security= takes a zmqsync.Security, not {security!r}")
         security.bus_side("a Relay")
         self.name = _config.check_name(name)
-        self.relay_id = relay_id or socket.gethostname()
-        RELAY_ID(self.relay_id, "relay_id")
+        self.relay_id = check_relay_id(tree.relay_id or socket.gethostname())
         if slots < 2:
             raise ValueError(
                 f"a relay's bus needs slots >= 2 (it writes while workers read), not {slots}"
@@ -210,16 +214,17 @@ class Relay(Lifecycle):
             raise ValueError(f'on_timeout must be "raise" or "evict", not {on_timeout!r}')
         if not timeout > 0 or math.isinf(timeout):
             raise ValueError(f"timeout must be a positive number of seconds, not {timeout}")
-        self._host, self._port = rendezvous(init_method)
+        self._host, self._port = rendezvous(tree.init_method)
         require_trusted(self._host, security.insecure)
-        self._device_arg = device
+        self._device_arg = tree.device
         self._address_arg = address
         self.address = ""
         self._slots, self._timeout, self._on_timeout = slots, float(timeout), on_timeout
         self._heartbeat, self._shm_dir = float(heartbeat), shm_dir
         self._security = security
         self._on_update = on_update
-        self._join_timeout = self._timeout if join_timeout is None else join_timeout
+        join = tree.join_timeout
+        self._join_timeout = self._timeout if join is None else float(join)
         self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)
         self._stopping = threading.Event()

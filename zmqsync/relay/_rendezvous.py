@@ -13,6 +13,7 @@ import socket
 from .._security import is_loopback
 
 __all__ = [
+    "check_init_method",
     "control_key",
     "data_identity",
     "data_key",
@@ -23,13 +24,36 @@ __all__ = [
 ]
 
 
+def check_init_method(init_method: str | None) -> str:
+    """The rendezvous URL, checked for its form only: ``"env://"`` (also for None) or
+    ``tcp://HOST:PORT``. The environment is not read here (see `rendezvous`), so that a
+    `Tree` or `Branch` can be made, as a default argument too, before MASTER_ADDR is set.
+
+    Raises:
+        ValueError: neither form, or a port that is not a TCP port number.
+    """
+    url = init_method or "env://"
+    if url == "env://":
+        return url
+    if not (url.startswith("tcp://") and ":" in url[len("tcp://") :]):
+        raise ValueError(f"init_method {url!r}: use 'env://' or 'tcp://HOST:PORT'")
+    _port(url.rsplit(":", 1)[1])
+    return url
+
+
+def _port(port: str) -> int:
+    if not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"rendezvous port {port!r} is not a TCP port number")
+    return int(port)
+
+
 def rendezvous(init_method: str | None) -> tuple[str, int]:
     """(host, port) of the root's TCPStore from ``env://`` or ``tcp://host:port``.
 
     Raises:
         ValueError: the URL or the environment variables are missing or malformed.
     """
-    url = init_method or "env://"
+    url = check_init_method(init_method)
     if url == "env://":
         host, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
         if not host or not port:
@@ -37,14 +61,10 @@ def rendezvous(init_method: str | None) -> tuple[str, int]:
                 "init_method env:// needs MASTER_ADDR and MASTER_PORT (the root's address "
                 "and a free port on it), or pass init_method='tcp://HOST:PORT'"
             )
-    elif url.startswith("tcp://") and ":" in url[len("tcp://") :]:
+    else:
         host, port = url[len("tcp://") :].rsplit(":", 1)
         host = host.strip("[]")
-    else:
-        raise ValueError(f"init_method {url!r}: use 'env://' or 'tcp://HOST:PORT'")
-    if not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ValueError(f"rendezvous port {port!r} is not a TCP port number")
-    return host, int(port)
+    return host, _port(port)
 
 
 def require_trusted(host: str, insecure: bool) -> None:

@@ -36,6 +36,7 @@ from .._deadline import Deadline
 from .._errors import ClosedError, ProtocolError, ZmqSyncError
 from .._lifecycle import Lifecycle
 from .._protocol import Inspect, State, TensorSpec
+from .._reads import Aliases
 from .._security import Security, found_keys
 from .._sockets import request
 from .._subscriber import Subscriber
@@ -43,16 +44,16 @@ from ._carrier import Carrier, Relayed, Settings
 from ._data_channel import DataChannel
 from ._membership import Membership
 from ._messages import RelayInfo
+from ._options import Tree, require
 from ._rendezvous import control_key, data_key, rendezvous, require_trusted
 from ._root_agent import RootAgent
 from ._wire import check_backend, flat_slot, layout_of, on_cpu, payload_bytes
 
-__all__ = ["DEFAULT_CHUNK_MB", "RelayRoot"]
+__all__ = ["RelayRoot"]
 
 log = logging.getLogger(__name__)
 DEFAULT_SECURITY = Security()
-
-DEFAULT_CHUNK_MB = 16.0
+DEFAULT_TREE = Tree()
 
 
 class RelayRoot(Lifecycle):
@@ -67,27 +68,19 @@ class RelayRoot(Lifecycle):
     Args:
         address: the bus's control address; None: the default address for `name`.
         name: bus name; relays use the same name for their own buses.
-        init_method: rendezvous: ``"env://"`` (MASTER_ADDR/MASTER_PORT; the default) or
-            ``"tcp://HOST:PORT"``; this process hosts the TCPStore there (port 0: any
-            free port, see `init_method_url`).
-        backend: "gloo" (CPU) or "nccl" (through a CUDA staging buffer on `device`).
+        tree: how this root forms the tree, a `Tree`: the rendezvous it hosts
+            (``env://`` by default; port 0: any free port, see `init_method_url`), the
+            collective backend and its device, the chunk size, the collectives' timeout.
         ack: "tree" (ack once every relay's local workers acked) or "relays" (once every
             relay announced the version on its bus).
         timeout: one deadline (s) per version for the whole tree.
-        collective_timeout: the timeout (s) of every collective (each chunk) and of
-            building a group; None: about the time to declare a silent relay lost
-            (6 heartbeats, at least 1 s, at most `timeout`). A hung relay blocks the
-            collective it is part of, and nothing can cancel a collective, so this bounds
-            how long the others wait before the group is re-formed without it.
         on_timeout: at the deadline, "evict" drops the late relays and acks (they re-join
             by themselves); "raise" records a `PublishTimeout` in `last_error`, keeps them
             and acks only once they have the version, so a trainer whose own `timeout` is
             shorter gets PublishTimeout naming `worker_id` (a silent relay is dropped
             either way, after ~6 heartbeats, as the bus drops a silent worker).
         heartbeat: heartbeat interval (s); a relay silent for ~6 beats is lost.
-        chunk_mb: MiB per collective when the slot is sent.
         worker_id: this subscriber's worker id on the bus.
-        device: CUDA device of the NCCL staging buffer.
         on_relayed: callable(Relayed) run after each version (on the relay thread).
         security: ``curve=CurveClient(...)``: the CURVE keys for a trainer's bus that
             has them, used both to inspect the bus and to subscribe to it; left out:
@@ -95,6 +88,15 @@ class RelayRoot(Lifecycle):
             ``curve=True`` trainer of `name` left in the runtime dir), at each
             handshake. ``insecure=True``: allow a non-loopback rendezvous address
             (torch.distributed has no authentication; say that the network is trusted).
+
+    Attributes:
+        tree: this root's tree id (hex, new for every root): relays tell its messages
+            from those of a root they followed before. Not the `Tree` options.
+
+    Raises:
+        TypeError: `tree` is not a `Tree`, or `security` not a `Security`.
+        ValueError: an option out of range, a rendezvous other hosts can reach without
+            ``insecure=True``, or NCCL without CUDA here.
     """
 
     def __init__(
@@ -102,19 +104,16 @@ class RelayRoot(Lifecycle):
         address: str | None = None,
         *,
         name: str = "weights",
-        init_method: str | None = None,
-        backend: str = "gloo",
+        tree: Tree = DEFAULT_TREE,
         ack: str = "tree",
         timeout: float = 10.0,
         on_timeout: str = "evict",
         heartbeat: float = 0.5,
-        chunk_mb: float = DEFAULT_CHUNK_MB,
-        collective_timeout: float | None = None,
         worker_id: str = "relay-root",
-        device: str | None = None,
         on_relayed: Callable[[Relayed], None] | None = None,
         security: Security = DEFAULT_SECURITY,
     ) -> None:
+        require(tree, Tree, "RelayRoot")
         if not isinstance(security, Security):
             raise TypeError(f"security= takes a zmqsync.Security, not {security!r}")
         curve = security.worker_side("a RelayRoot", insecure=True)
@@ -127,25 +126,22 @@ class RelayRoot(Lifecycle):
             raise ValueError(f"heartbeat must be in [0.001, 3600] seconds, not {heartbeat}")
         if not timeout > 0 or math.isinf(timeout):
             raise ValueError(f"timeout must be a positive number of seconds, not {timeout}")
-        if not chunk_mb > 0:
-            raise ValueError(f"chunk_mb must be positive, not {chunk_mb}")
-        self._host, self._port = rendezvous(init_method)
+        self._host, self._port = rendezvous(tree.init_method)
         require_trusted(self._host, security.insecure)
-        self._device = check_backend(backend, device)
+        self._device = check_backend(tree.backend, tree.device)
         self._address_arg = address
         self.address = ""
         self._curve = curve
-        self._backend, self._ack, self._on_timeout = backend, ack, on_timeout
+        self._backend, self._ack, self._on_timeout = tree.backend, ack, on_timeout
         self._timeout, self._heartbeat = float(timeout), float(heartbeat)
         lost_after = self._heartbeat * _config.LOST_AFTER_BEATS
-        op = max(1.0, lost_after) if collective_timeout is None else float(collective_timeout)
-        if not op > 0:
-            raise ValueError(f"collective_timeout must be positive, not {collective_timeout}")
+        op = tree.collective_timeout
+        op = max(1.0, lost_after) if op is None else float(op)  # positive: Tree checked it
         self._op_timeout = min(self._timeout, op)
         # how long to wait for READYs: a healthy relay may still sit in a dead group's op
         self._form_wait = self._op_timeout + 2 * self._heartbeat
         self._form_timeout = min(self._timeout, max(2.0, self._form_wait))
-        self._chunk_bytes = max(4096, int(chunk_mb * 2**20) // 4096 * 4096)
+        self._chunk_bytes = max(4096, int(tree.chunk_mb * 2**20) // 4096 * 4096)
         self._worker_id = worker_id
         self._on_relayed = on_relayed
         self.tree = secrets.token_hex(8)
@@ -162,7 +158,7 @@ class RelayRoot(Lifecycle):
             tree=self.tree,
             name=self.name,
             host=self._host,
-            backend=backend,
+            backend=tree.backend,
             device=self._device,
             ack=ack,
             on_timeout=on_timeout,
@@ -256,12 +252,10 @@ class RelayRoot(Lifecycle):
             feed = Subscriber(
                 self.address,
                 name=self.name,
-                mode="alias",
-                apply="manual",
+                # views of the CPU segment (the publisher mirrors GPU weights there)
+                reads=Aliases(device="cpu", manual=True, on_update=self._on_version),
                 worker_id=self._worker_id,
-                device="cpu",  # read the CPU segment (the publisher mirrors GPU weights there)
                 timeout=self._timeout,
-                on_update=self._on_version,
                 security=Security(curve=self._curve),
             )
             self._feed = feed.start()
