@@ -74,7 +74,7 @@ def test_late_joiner_computes_with_current_version_at_start(name):
             train_step(model, seed=v)
             pub.publish()
         late = Mixed()
-        with zmqsync.Subscriber(name=name, model=late, mode="copy") as sub:
+        with zmqsync.Subscriber(name=name, model=late) as sub:
             assert sub.version == 5
             assert digest(flatten(late)) == digest(flatten(model))
             train_step(model, seed=6)
@@ -156,8 +156,10 @@ def test_publish_wait_false_targets_and_on_update(name):
     seen = []
     with zmqsync.Publisher({"x": torch.zeros(3)}, name=name) as pub:
         with (
-            zmqsync.Subscriber(name=name, worker_id="a", on_update=seen.append) as a,
-            zmqsync.Subscriber(name=name, worker_id="b", apply="manual") as b,
+            zmqsync.Subscriber(
+                name=name, worker_id="a", reads=zmqsync.Copies(on_update=seen.append)
+            ) as a,
+            zmqsync.Subscriber(name=name, worker_id="b", reads=zmqsync.Copies(manual=True)) as b,
         ):
             p = pub.publish(weights={"x": torch.ones(3)}, max_lag=None, workers=["a"])
             assert p.targets == ("a",)
@@ -175,7 +177,7 @@ def test_alias_mode_model_shares_the_buffer_and_is_read_only(name):
     param = worker.weight
     with (
         zmqsync.Publisher(model, name=name) as pub,
-        zmqsync.Subscriber(name=name, model=worker, mode="alias") as sub,
+        zmqsync.Subscriber(name=name, model=worker, reads=zmqsync.Aliases()) as sub,
     ):
         with torch.no_grad():
             model.weight.fill_(3.0)
@@ -189,7 +191,7 @@ def test_alias_mode_model_shares_the_buffer_and_is_read_only(name):
 def test_publish_timeout_names_missing_workers(name):
     with (
         zmqsync.Publisher({"x": torch.zeros(3)}, name=name, timeout=0.5) as pub,
-        zmqsync.Subscriber(name=name, worker_id="slow", apply="manual"),
+        zmqsync.Subscriber(name=name, worker_id="slow", reads=zmqsync.Copies(manual=True)),
     ):
         with pytest.raises(zmqsync.PublishTimeout) as info:
             pub.publish()
@@ -201,7 +203,7 @@ def test_publish_timeout_names_missing_workers(name):
 def test_close_leaves_nothing_behind(name, bus_dirs):
     runtime, shm = bus_dirs
     pub = zmqsync.Publisher({"x": torch.zeros(1000)}, name=name).start()
-    sub = zmqsync.Subscriber(name=name, mode="alias").start()
+    sub = zmqsync.Subscriber(name=name, reads=zmqsync.Aliases()).start()
     assert len(os.listdir(shm)) == 1
     sub.close()
     pub.close()

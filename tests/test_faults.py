@@ -130,7 +130,7 @@ def test_publisher_sigkill_then_restart(spawn, name):
             time.sleep(0.02)
         assert not sub.connected
         frozen = sub.version
-        flat = {k: v.clone() for k, v in sub._target.tensors.items()}
+        flat = {k: v.clone() for k, v in sub._reader.target.tensors.items()}
         assert stored_digest(flat) == digest(flat), "the last version is not whole"
         time.sleep(HB * 3)  # time passing is what is tested: the last version stays
         assert sub.version == frozen and not sub.connected
@@ -155,7 +155,7 @@ def test_publisher_sigkill_then_restart(spawn, name):
         assert sub.connected and sub._bus_id == bus
         version_now = sub.version
         assert sub.wait_for_version(version_now + 2, timeout=20)
-        flat = dict(sub._target.tensors)
+        flat = dict(sub._reader.target.tensors)
         assert stored_digest(flat) == digest(flat)
     n_before = len(worker.records)
     worker.wait_for(lambda r: r.get("event") == "applied" and worker.records.index(r) >= n_before)
@@ -222,7 +222,7 @@ def test_crash_cleanup_gc_removes_only_unlocked_segments(spawn, name, bus_dirs):
     _, shm = bus_dirs
     trainer = spawn("tools/trainer.py", name, "--updates", "0", "--interval", "0.2", module="")
     trainer.wait_for(lambda r: r.get("event") == "started", timeout=60)
-    holder = zmqsync.Subscriber(name=name, mode="alias").start()
+    holder = zmqsync.Subscriber(name=name, reads=zmqsync.Aliases()).start()
     try:
         trainer.proc.send_signal(signal.SIGKILL)
         trainer.finish()
@@ -334,7 +334,7 @@ def test_a_segment_gone_before_the_rejoin_maps_it_is_retried(name, bus_dirs, mon
     armed = threading.Event()
     monkeypatch.setattr(cpu.CpuAttachment, "attach", classmethod(attach_after_the_file_vanished))
     with zmqsync.Publisher({"w": torch.zeros(4)}, name=name, heartbeat=HB, timeout=10) as pub:
-        sub = zmqsync.Subscriber(name=name, apply="manual").start()
+        sub = zmqsync.Subscriber(name=name, reads=zmqsync.Copies(manual=True)).start()
         try:
             pub.close()  # the bus goes away; the worker is lost and keeps trying
             armed.set()

@@ -75,7 +75,7 @@ def test_alias_mode_follows_every_version(name, alias_way):
     params = dict(worker.named_parameters())
     with (
         zmqsync.Publisher(trainer, name=name, timeout=20) as pub,
-        zmqsync.Subscriber(name=name, model=worker, mode="alias") as sub,
+        zmqsync.Subscriber(name=name, model=worker, reads=zmqsync.Aliases()) as sub,
     ):
         where = {}
         for step in range(1, 7):  # every slot several times
@@ -100,7 +100,7 @@ def test_alias_mode_follows_every_version(name, alias_way):
 def test_alias_model_keeps_the_last_version_after_close(name, alias_way):
     trainer, worker = Net(), Net()
     with zmqsync.Publisher(trainer, name=name, timeout=20) as pub:
-        with zmqsync.Subscriber(name=name, model=worker, mode="alias") as sub:
+        with zmqsync.Subscriber(name=name, model=worker, reads=zmqsync.Aliases()) as sub:
             _fill(trainer, 3)
             pub.publish()
             assert sub.wait_for_version(pub.version, timeout=20)
@@ -116,7 +116,7 @@ def test_alias_mode_follows_a_new_publisher_at_the_address(name, alias_way):
     _fill(first, 1)
     _fill(second, 2)
     pub = zmqsync.Publisher(first, name=name, timeout=20, heartbeat=0.1).start()
-    sub = zmqsync.Subscriber(name=name, model=worker, mode="alias").start()
+    sub = zmqsync.Subscriber(name=name, model=worker, reads=zmqsync.Aliases()).start()
     try:
         assert _same(worker, first)
         pub.close()
@@ -141,7 +141,7 @@ def test_a_thread_waiting_for_the_next_version_gets_it(name):
     trainer, worker = Net(), Net()
     with (
         zmqsync.Publisher(trainer, name=name, timeout=20) as pub,
-        zmqsync.Subscriber(name=name, model=worker, mode="alias") as sub,
+        zmqsync.Subscriber(name=name, model=worker, reads=zmqsync.Aliases()) as sub,
     ):
         for _ in range(5):
             want = sub.version + 1
@@ -156,7 +156,7 @@ def test_a_thread_waiting_for_the_next_version_gets_it(name):
 def test_a_thread_waiting_for_a_far_version_times_out_while_others_arrive(name):
     with (
         zmqsync.Publisher(Net(), name=name, timeout=20) as pub,
-        zmqsync.Subscriber(name=name, model=Net(), mode="alias") as sub,
+        zmqsync.Subscriber(name=name, model=Net(), reads=zmqsync.Aliases()) as sub,
     ):
         got: list[bool] = []
         waiter = threading.Thread(target=_wait, args=(sub, 10**9, 0.5, got))

@@ -59,9 +59,9 @@ def test_a_flat_copy_worker_stays_bit_exact_through_steps_and_partial_publishes(
     params = list(worker_model.parameters())
     with (
         zmqsync.Publisher(model, name=name) as pub,
-        zmqsync.Subscriber(name=name, model=worker_model, mode="copy", flat=True) as sub,
+        zmqsync.Subscriber(name=name, model=worker_model, reads=zmqsync.Copies(flat=True)) as sub,
     ):
-        target = sub._target
+        target = sub._reader.target
         assert target is not None and target.flat is not None
         assert list(worker_model.parameters()) == params, "the same Parameter objects"
         assert all(_inside(target.flat, t) for t in flatten(worker_model).values())
@@ -88,9 +88,9 @@ def test_a_copy_worker_without_a_model_gets_one_block(name):
     model = Mixed()
     with (
         zmqsync.Publisher(model, name=name) as pub,
-        zmqsync.Subscriber(name=name, mode="copy") as sub,
+        zmqsync.Subscriber(name=name) as sub,
     ):
-        target = sub._target
+        target = sub._reader.target
         assert target is not None and target.flat is not None
         for v in range(1, 4):
             train_step(model, seed=v)
@@ -107,9 +107,9 @@ def test_a_model_the_block_cannot_take_keeps_its_tensors(name):
     weight.data = weight.data.t().contiguous().t()  # the same values, transposed strides
     with (
         zmqsync.Publisher(model, name=name) as pub,
-        zmqsync.Subscriber(name=name, model=worker_model, mode="copy", flat=True) as sub,
+        zmqsync.Subscriber(name=name, model=worker_model, reads=zmqsync.Copies(flat=True)) as sub,
     ):
-        assert sub._target is not None and sub._target.flat is None
+        assert sub._reader.target is not None and sub._reader.target.flat is None
         with torch.no_grad():
             model.blocks[0][0].weight.mul_(3)
         pub.publish()
@@ -124,9 +124,9 @@ def test_a_block_whose_storage_moved_is_left_for_tensor_by_tensor_copies(name):
     worker_model = Many(blocks=3)
     with (
         zmqsync.Publisher(model, name=name) as pub,
-        zmqsync.Subscriber(name=name, model=worker_model, mode="copy", flat=True) as sub,
+        zmqsync.Subscriber(name=name, model=worker_model, reads=zmqsync.Copies(flat=True)) as sub,
     ):
-        target = sub._target
+        target = sub._reader.target
         assert target is not None and target.flat is not None
         storage = worker_model.norm.weight.untyped_storage()
         storage.resize_(storage.nbytes() + 4096)  # a reallocation: every view moves with it
@@ -204,8 +204,8 @@ def test_a_flat_publisher_stays_bit_exact_through_steps_buffers_and_partial_publ
     optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
     with (
         _flat_publisher(model, name) as pub,
-        zmqsync.Subscriber(name=name, mode="copy") as copier,
-        zmqsync.Subscriber(name=name, model=Many(), mode="alias") as aliaser,
+        zmqsync.Subscriber(name=name) as copier,
+        zmqsync.Subscriber(name=name, model=Many(), reads=zmqsync.Aliases()) as aliaser,
     ):
         assert _writes_blocks(pub)
         assert list(model.parameters()) == params, "the same Parameter objects"
@@ -235,7 +235,7 @@ def test_a_reallocated_parameter_leaves_the_flat_layout_with_a_warning(name, cap
     model = Many(blocks=4)
     with (
         _flat_publisher(model, name) as pub,
-        zmqsync.Subscriber(name=name, mode="copy") as sub,
+        zmqsync.Subscriber(name=name) as sub,
     ):
         assert _writes_blocks(pub)
         state = {k: v.clone() + 1 for k, v in model.state_dict().items()}
@@ -255,7 +255,7 @@ def test_a_reallocated_parameter_leaves_the_flat_layout_with_a_warning(name, cap
 
 def test_one_tensor_reassigned_through_data_is_seen_too(name, caplog):
     model = Many(blocks=4)
-    with _flat_publisher(model, name) as pub, zmqsync.Subscriber(name=name, mode="copy") as sub:
+    with _flat_publisher(model, name) as pub, zmqsync.Subscriber(name=name) as sub:
         weight = model.blocks[3][1].weight
         weight.data = weight.data.double().float() + 3  # the same Parameter, a new storage
         with caplog.at_level("WARNING", logger="zmqsync"):
@@ -274,7 +274,7 @@ def test_weights_the_block_cannot_take_publish_tensor_by_tensor(name, caplog):
         pub.start()
     try:
         assert "no flat layout" in caplog.text and not _writes_blocks(pub)
-        with zmqsync.Subscriber(name=name, mode="copy") as sub:
+        with zmqsync.Subscriber(name=name) as sub:
             with torch.no_grad():
                 weight.add_(1)
             p = pub.publish()
@@ -316,7 +316,11 @@ def test_a_worker_asks_a_module_of_many_tensors_for_them_once_per_join(name, mod
     with zmqsync.Publisher(model, name=name) as pub:
         pub.publish()
         _CountingList.asked = 0
-        with zmqsync.Subscriber(name=name, model=worker_model, mode=mode, flat=flat) as sub:
+        with zmqsync.Subscriber(
+            name=name,
+            model=worker_model,
+            reads=(zmqsync.Aliases() if mode == "alias" else zmqsync.Copies(flat=flat)),
+        ) as sub:
             assert sub.version == 1
             assert _CountingList.asked == 1
             assert list(worker_model.parameters()) == params, "the same Parameter objects"

@@ -177,7 +177,9 @@ def test_a_gate_wait_times_out_and_a_kick_ends_it_early():
 
 def test_close_releases_a_thread_waiting_for_a_version_at_once(name):
     with zmqsync.Publisher(torch.nn.Linear(4, 4), name=name, timeout=20):
-        sub = zmqsync.Subscriber(name=name, model=torch.nn.Linear(4, 4), mode="alias").start()
+        sub = zmqsync.Subscriber(
+            name=name, model=torch.nn.Linear(4, 4), reads=zmqsync.Aliases()
+        ).start()
         errors: list[BaseException] = []
 
         def wait() -> None:

@@ -50,7 +50,7 @@ def test_a_publish_announces_the_home_and_moves_the_trainer_to_the_claimed_slot(
     optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
     with (
         zmqsync.Publisher(model, name=name, slots=2, writes=zmqsync.Copy(flat=True)) as pub,
-        zmqsync.Subscriber(name=name, mode="copy") as sub,
+        zmqsync.Subscriber(name=name) as sub,
     ):
         slots, registry = pub._mode.bound.slots, pub._role.registry
         assert slots.count == 3 and pub.max_lag_allowed == 1, "one slot more, the same room"
@@ -98,7 +98,7 @@ def test_a_tensor_that_leaves_ends_the_home_and_frees_its_slot(name, caplog):
     model = Many(blocks=4)
     with (
         zmqsync.Publisher(model, name=name, slots=2, writes=zmqsync.Copy(flat=True)) as pub,
-        zmqsync.Subscriber(name=name, mode="copy") as sub,
+        zmqsync.Subscriber(name=name) as sub,
     ):
         start, end = _segment(pub)
         weight = model.blocks[2][0].weight
@@ -128,8 +128,10 @@ def test_alias_and_copy_workers_follow_the_home_with_the_fewest_slots(name):
     optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
     with (
         zmqsync.Publisher(model, name=name, slots=2, writes=zmqsync.Copy(flat=True)) as pub,
-        zmqsync.Subscriber(name=name, model=Many(blocks=5), mode="alias") as aliaser,
-        zmqsync.Subscriber(name=name, model=Many(blocks=5), mode="copy", flat=True) as copier,
+        zmqsync.Subscriber(name=name, model=Many(blocks=5), reads=zmqsync.Aliases()) as aliaser,
+        zmqsync.Subscriber(
+            name=name, model=Many(blocks=5), reads=zmqsync.Copies(flat=True)
+        ) as copier,
     ):
         for v in range(1, 9):
             _step(model, optimizer, seed=v)
@@ -167,7 +169,7 @@ def test_the_copy_runs_beside_copy_workers_and_before_the_announcement_without(n
     model = Many(blocks=3)
     with (
         zmqsync.Publisher(model, name=name, writes=zmqsync.Copy(flat=True)) as pub,
-        zmqsync.Subscriber(name=name, model=Many(blocks=3), mode="alias") as aliaser,
+        zmqsync.Subscriber(name=name, model=Many(blocks=3), reads=zmqsync.Aliases()) as aliaser,
     ):
         home, announcer = _home(pub), pub._mode.bound.announcer
         at_send: list[tuple[int, int]] = []  # (announced slot, the home's slot) at RECEIVE
@@ -181,7 +183,7 @@ def test_the_copy_runs_beside_copy_workers_and_before_the_announcement_without(n
         assert aliaser.wait_for_version(pub.publish().version, timeout=10)
         announced, home_then = at_send[-1]
         assert home_then != announced, "alias workers only: the trainer moved first"
-        with zmqsync.Subscriber(name=name, mode="copy") as copier:
+        with zmqsync.Subscriber(name=name) as copier:
             with torch.no_grad():
                 model.norm.weight.add_(1)
             p = pub.publish()
@@ -200,7 +202,7 @@ def test_one_slot_keeps_the_block_private_so_alias_workers_never_stall_a_publish
     model = Many(blocks=3)
     with (
         zmqsync.Publisher(model, name=name, slots=1, writes=zmqsync.Copy(flat=True)) as pub,
-        zmqsync.Subscriber(name=name, model=Many(blocks=3), mode="alias") as aliaser,
+        zmqsync.Subscriber(name=name, model=Many(blocks=3), reads=zmqsync.Aliases()) as aliaser,
     ):
         assert pub._mode.bound.slots.count == 1 and pub._role.registry.home is None
         assert pub._mode._block is not None and not isinstance(pub._mode._block, HomeBlock)

@@ -139,7 +139,11 @@ def test_every_copy_path_delivers_exact_values(name, mode, many, copy_loop):
     assert not worker.bent.is_contiguous()
     with (
         zmqsync.Publisher(trainer, name=name, timeout=20) as pub,
-        zmqsync.Subscriber(name=name, model=worker, mode=mode) as sub,
+        zmqsync.Subscriber(
+            name=name,
+            model=worker,
+            reads=(zmqsync.Aliases() if mode == "alias" else zmqsync.Copies()),
+        ) as sub,
     ):
         for step in range(1, 5):  # both slots, each plan used twice
             with torch.no_grad():
@@ -157,7 +161,7 @@ def test_copy_mode_follows_a_storage_that_was_freed_and_reallocated(name, copy_l
     trainer, worker = torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)
     with (
         zmqsync.Publisher(trainer, name=name, timeout=20) as pub,
-        zmqsync.Subscriber(name=name, model=worker, mode="copy") as sub,
+        zmqsync.Subscriber(name=name, model=worker) as sub,
     ):
         for step in range(1, 5):
             storage = worker.weight.untyped_storage()
@@ -185,7 +189,7 @@ def test_publish_reads_a_source_that_moved_since_the_last_one(name, replace, cop
     worker.register_buffer("mid", torch.zeros(200, 128))
     with (
         zmqsync.Publisher(trainer, name=name, timeout=20) as pub,
-        zmqsync.Subscriber(name=name, model=worker, mode="copy") as sub,
+        zmqsync.Subscriber(name=name, model=worker) as sub,
     ):
         kept = []  # old sources stay allocated: their addresses are not handed out again
         for step in range(1, 5):
@@ -224,7 +228,7 @@ def test_big_tensors_arrive_whichever_way_they_are_copied(name, source, copy_loo
     trainer, worker = TwoBig(bent=source == "bent"), TwoBig()
     with (
         zmqsync.Publisher(trainer, name=name, timeout=20) as pub,
-        zmqsync.Subscriber(name=name, model=worker, mode="copy") as sub,
+        zmqsync.Subscriber(name=name, model=worker) as sub,
     ):
         kept = []  # old sources stay allocated: their addresses are not handed out again
         for step in range(1, 5):
@@ -305,7 +309,11 @@ def test_conjugate_views_arrive_as_their_values(name, mode, copy_loop):
         worker = None
     with (
         zmqsync.Publisher(weights, name=name, timeout=20) as pub,
-        zmqsync.Subscriber(name=name, model=worker, mode=mode) as sub,
+        zmqsync.Subscriber(
+            name=name,
+            model=worker,
+            reads=(zmqsync.Aliases() if mode == "alias" else zmqsync.Copies()),
+        ) as sub,
     ):
         for step in range(1, 4):
             base.mul_(step)
@@ -322,7 +330,7 @@ def test_many_threads_publish_and_wait_at_once(name):
     errors: list[BaseException] = []
     with (
         zmqsync.Publisher(model, name=name, timeout=20, slots=3) as pub,
-        zmqsync.Subscriber(name=name, model=torch.nn.Linear(8, 8), mode="alias") as sub1,
+        zmqsync.Subscriber(name=name, model=torch.nn.Linear(8, 8), reads=zmqsync.Aliases()) as sub1,
         zmqsync.Subscriber(name=name, model=torch.nn.Linear(8, 8)) as sub2,
     ):
 

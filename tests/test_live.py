@@ -53,7 +53,7 @@ def test_a_module_keeps_its_parameters_and_optimizer(name):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with zmqsync.Publisher(model, name=name, writes=zmqsync.Live()) as pub:
         assert list(model.parameters()) == params
-        with zmqsync.Subscriber(name=name, mode="alias", timeout=10) as sub:
+        with zmqsync.Subscriber(name=name, reads=zmqsync.Aliases(), timeout=10) as sub:
             model(torch.ones(2, 8)).sum().backward()
             opt.step()  # writes the slot in place
             torch.testing.assert_close(sub.tensors[("weight",)], model.weight.detach())

@@ -284,7 +284,7 @@ def test_a_flat_publish_sees_a_re_pointed_parameter(name, caplog):
     worker_model = Blocks()
     with (
         zmqsync.Publisher(model, name=name, writes=zmqsync.Copy(flat=True), timeout=20) as pub,
-        zmqsync.Subscriber(name=name, model=worker_model, mode="copy") as sub,
+        zmqsync.Subscriber(name=name, model=worker_model) as sub,
     ):
         assert pub.wait_for_workers(1, timeout=20)
         pub.publish()

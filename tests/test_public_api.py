@@ -110,16 +110,16 @@ def test_publisher_and_subscriber_reprs_carry_name_version_and_state(name):
     with pub:
         assert re.fullmatch(rf"<Publisher {name!r} v0 ipc://\S+ 0 workers started>", repr(pub))
         sub = zmqsync.Subscriber(name=name, worker_id="w0")
-        assert repr(sub) == f"<Subscriber {name!r} v-1 copy/background new>"
+        assert repr(sub) == f"<Subscriber {name!r} v-1 copy new>"
         with sub:
-            assert repr(sub) == f"<Subscriber {name!r} v0 copy/background connected>"
+            assert repr(sub) == f"<Subscriber {name!r} v0 copy connected>"
             assert " 1 workers started>" in repr(pub)
             pub.publish(weights={"w": torch.ones(3)})
             assert sub.wait_for_version(1, timeout=10)
-            assert repr(sub) == f"<Subscriber {name!r} v1 copy/background connected>"
+            assert repr(sub) == f"<Subscriber {name!r} v1 copy connected>"
             assert repr(pub).startswith(f"<Publisher {name!r} v1 ")
-        assert repr(sub) == f"<Subscriber {name!r} v1 copy/background closed>"
-        manual = zmqsync.Subscriber(name=name, mode="alias", apply="manual")
+        assert repr(sub) == f"<Subscriber {name!r} v1 copy closed>"
+        manual = zmqsync.Subscriber(name=name, reads=zmqsync.Aliases(manual=True))
         assert "alias/manual" in repr(manual)
     assert repr(pub).endswith(" closed>")
 

@@ -330,7 +330,7 @@ def test_raise_mode_withholds_the_ack_from_a_late_relay(name, hosts):
             with zmqsync.Subscriber(
                 f"ipc://{a.runtime}/{name}.sock",
                 name=name,
-                apply="manual",
+                reads=zmqsync.Copies(manual=True),
                 worker_id="slow",
                 shm_dir=str(a.shm),
                 timeout=30,
@@ -435,7 +435,7 @@ def test_local_alias_workers_holding_every_slot_never_stall_the_group(name, bus_
     tree = in_process_tree(name, bus_dirs, "held.sock", ack="relays", relay_timeout=1.0)
     with tree as (pub, root, relay, local):
         # an alias worker that never polls: it holds its slot and blocks the other one
-        with zmqsync.Subscriber(local, name=name, mode="alias", apply="manual") as held:
+        with zmqsync.Subscriber(local, name=name, reads=zmqsync.Aliases(manual=True)) as held:
             assert not pub.publish(weights={"w": torch.ones(4096)}).missing
             assert relay.version == 1 and held.version == 0
             assert relay._local.reserve_slot() is None

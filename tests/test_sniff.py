@@ -137,7 +137,7 @@ def test_inspect_json_matches_the_bus(name, capsys):
     model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2))
     with (
         zmqsync.Publisher(model, name=name, security=zmqsync.Security(tap=True)) as pub,
-        zmqsync.Subscriber(name=name, worker_id="insp-a", mode="alias"),
+        zmqsync.Subscriber(name=name, worker_id="insp-a", reads=zmqsync.Aliases()),
     ):
         pub.publish()
         pub.publish()

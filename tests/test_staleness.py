@@ -86,7 +86,7 @@ def test_alias_workers_pin_a_slot_and_tighten_the_bound(name):
     with zmqsync.Publisher(WEIGHTS, name=name, slots=3, timeout=30) as pub:
         with zmqsync.Subscriber(name=name, worker_id="c", timeout=30):
             assert pub.publish(max_lag=2).max_lag == 2
-        with zmqsync.Subscriber(name=name, worker_id="a", mode="alias", timeout=30):
+        with zmqsync.Subscriber(name=name, worker_id="a", reads=zmqsync.Aliases(), timeout=30):
             p = pub.publish(max_lag=2)
             assert p.max_lag == 1  # slots - 2: the next claim still finds a free slot
             assert p.lags["a"] <= 1
@@ -95,7 +95,9 @@ def test_alias_workers_pin_a_slot_and_tighten_the_bound(name):
 def test_sub_lag_counts_what_a_manual_worker_has_not_polled_yet(name):
     with (
         zmqsync.Publisher(WEIGHTS, name=name, slots=4, timeout=30) as pub,
-        zmqsync.Subscriber(name=name, worker_id="m", apply="manual", timeout=30) as sub,
+        zmqsync.Subscriber(
+            name=name, worker_id="m", reads=zmqsync.Copies(manual=True), timeout=30
+        ) as sub,
     ):
         assert sub.lag == 0
         for _ in range(3):
@@ -112,7 +114,9 @@ def test_sub_lag_counts_what_a_manual_worker_has_not_polled_yet(name):
 def test_a_worker_stuck_beyond_the_bound_is_named_in_time(name):
     with (
         zmqsync.Publisher(WEIGHTS, name=name, slots=4, timeout=1.0) as pub,
-        zmqsync.Subscriber(name=name, worker_id="stuck", apply="manual", timeout=30) as sub,
+        zmqsync.Subscriber(
+            name=name, worker_id="stuck", reads=zmqsync.Copies(manual=True), timeout=30
+        ) as sub,
     ):
         pub.publish(max_lag=2)
         pub.publish(max_lag=2)
@@ -206,7 +210,9 @@ def test_inspect_shows_each_workers_lag(name, capsys):
 
     with (
         zmqsync.Publisher(WEIGHTS, name=name, slots=4, timeout=30) as pub,
-        zmqsync.Subscriber(name=name, worker_id="behind", apply="manual", timeout=30),
+        zmqsync.Subscriber(
+            name=name, worker_id="behind", reads=zmqsync.Copies(manual=True), timeout=30
+        ),
         zmqsync.Subscriber(name=name, worker_id="current", timeout=30) as current,
     ):
         for _ in range(2):

@@ -177,7 +177,7 @@ def test_a_copy_worker_copies_only_the_tensors_that_changed(name):
     trainer = Mixed()
     with zmqsync.Publisher(trainer, name=name, timeout=30) as pub:
         local = Mixed()
-        with zmqsync.Subscriber(name=name, model=local, mode="copy", timeout=30) as sub:
+        with zmqsync.Subscriber(name=name, model=local, timeout=30) as sub:
             with torch.no_grad():
                 local.head.bias.fill_(float("nan"))
                 trainer.encoder.weight.add_(1.0)
@@ -217,7 +217,7 @@ def test_bf16_slots_reach_bf16_workers_in_both_modes(spawn, name):
             expected[step] = digest(published)
         # a float32 model cannot take a bf16 bus: the error names the difference
         with pytest.raises(LayoutMismatch, match="dtype|bfloat16"):
-            zmqsync.Subscriber(name=name, model=Mixed(), mode="copy", timeout=30).start()
+            zmqsync.Subscriber(name=name, model=Mixed(), timeout=30).start()
     _check(workers, expected)
 
 
@@ -317,7 +317,7 @@ def test_skip_unchanged_publishes_what_the_version_counters_say_moved(name, capl
         trainer, name=name, writes=zmqsync.Copy(skip_unchanged=True), timeout=30
     ) as pub:
         local = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
-        with zmqsync.Subscriber(name=name, model=local, mode="copy", timeout=30) as sub:
+        with zmqsync.Subscriber(name=name, model=local, timeout=30) as sub:
             with torch.no_grad():
                 local[1].bias.fill_(float("nan"))
             trainer(torch.randn(4, 8)).sum().backward()
@@ -335,7 +335,7 @@ def test_skip_unchanged_publishes_what_the_version_counters_say_moved(name, capl
         trainer, name=name, writes=zmqsync.Copy(skip_unchanged="verify"), timeout=30
     ) as pub:
         local = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
-        with zmqsync.Subscriber(name=name, model=local, mode="copy", timeout=30) as sub:
+        with zmqsync.Subscriber(name=name, model=local, timeout=30) as sub:
             trainer[1].bias.data.add_(1.0)
             pub.publish()
             assert sub.wait_for_version(1, timeout=30)

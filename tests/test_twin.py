@@ -5,7 +5,7 @@ repeated sequences, a slot torn by its writer, a version not newer, a foreign bu
 STOPs) goes through each follower, on real sockets, over a real header mapping and a
 real `Switch`; after every frame the result of ``next``, the `WorkerState` and the
 model's bytes must be the same for both. The C's rules are mirrored from Python
-(`Link.on_receive`, `Header.read_begin`, `Switch.point_at`, `Subscriber._apply_offer`):
+(`Link.on_receive`, `Header.read_begin`, `Switch.point_at`, `Reader.apply`):
 this is what holds them together. Copy mode runs its own script through both (a copy
 callable instead of the switch, the seqlock read again after it: a copy the writer
 tore, a copier that declines and a partial version are left to Python).

@@ -67,18 +67,11 @@ VERSIONS = 20
 def run_worker(args: argparse.Namespace) -> int:
     """Join the bus, verify every version, print JSON lines (ready, applied, summary)."""
     device = {"none": None, "cuda": "cuda", "cpu": "cpu"}[args.device]
-    sub = zmqsync.Subscriber(
-        name=args.name,
-        mode=args.mode,
-        apply="manual" if args.torn else "background",
-        device=device,
-        worker_id=args.worker_id,
-        timeout=120,
-    )
+    sub: zmqsync.Subscriber  # bound below; `verify` runs only once it is
     state: dict[str, Any] = {"verified": 0, "mismatches": [], "versions": [], "errors": []}
 
     def verify(version: int) -> None:
-        flat = dict(sub._target.tensors) if sub._target is not None else {}
+        flat = dict(sub.tensors)
         with sub.reading() as reading:
             got, want = _checksum.digest(flat), _checksum.stored_digest(flat)
         state["versions"].append(version)
@@ -88,8 +81,17 @@ def run_worker(args: argparse.Namespace) -> int:
             else:
                 state["mismatches"].append(version)
 
-    if args.verify:
-        sub._on_update = verify
+    on_update = verify if args.verify else None
+    sub = zmqsync.Subscriber(
+        name=args.name,
+        reads=(
+            zmqsync.Aliases(device=device, manual=args.torn, on_update=on_update)
+            if args.mode == "alias"
+            else zmqsync.Copies(device=device, manual=args.torn, on_update=on_update)
+        ),
+        worker_id=args.worker_id,
+        timeout=120,
+    )
     opens_before = zcuda.opens()
     started = time.perf_counter()
     sub.start()
@@ -116,7 +118,7 @@ def run_worker(args: argparse.Namespace) -> int:
                 sub.poll(0.0)
                 with sub.reading() as r:
                     values = set()
-                    for t in sub._target.tensors.values():
+                    for t in sub._reader.target.tensors.values():
                         values.add(float(t.min()))
                         values.add(float(t.max()))
                 reads += 1
@@ -142,8 +144,8 @@ def run_worker(args: argparse.Namespace) -> int:
             "reads": reads,
             "torn": torn,
             "bad": bad,
-            "devices": sorted({str(t.device) for t in sub._target.tensors.values()})
-            if sub._target is not None
+            "devices": sorted({str(t.device) for t in sub._reader.target.tensors.values()})
+            if sub._reader.target is not None
             else [],
         }
         sub.close()

@@ -31,6 +31,7 @@ if _typing.TYPE_CHECKING:  # what type checkers and IDEs see: the names, eagerly
         ZmqSyncError,
     )
     from ._publisher import Publish, Publisher
+    from ._reads import Aliases, Copies
     from ._registry import WorkerInfo
     from ._security import CurveClient, CurveServer, Security, curve_keypair
     from ._subscriber import Reading, Subscriber
@@ -40,10 +41,12 @@ if _typing.TYPE_CHECKING:  # what type checkers and IDEs see: the names, eagerly
 __version__ = "0.1.0"
 
 __all__ = [
+    "Aliases",
     "Branch",
     "BufferUnavailable",
     "ClosedError",
     "ConnectTimeout",
+    "Copies",
     "Copy",
     "curve_keypair",
     "CurveClient",
@@ -85,6 +88,8 @@ _WHERE = {
     "CurveServer": "._security",
     "curve_keypair": "._security",
     "Security": "._security",
+    "Aliases": "._reads",
+    "Copies": "._reads",
     "Copy": "._writes",
     "Live": "._writes",
     "Overlapped": "._writes",

@@ -7,7 +7,7 @@ versions the C took). It takes the next RECEIVE of the bus when the Link's
 rule (`Link.on_receive`), the slot's seqlock (`Header.read_begin`) and the switch
 (`Switch.point_at`, with the slot's holder already built; in copy mode the Target's
 whole-slot copy and the seqlock read again) allow it, records it as
-`Subscriber._apply_offer` does, ACKs it and opens the waiters; anything else goes back
+`Reader.apply` does, ACKs it and opens the waiters; anything else goes back
 to the caller as the frame's bytes. tests/test_twin.py runs one frame stream through
 both followers and compares the state after every frame.
 
@@ -156,13 +156,8 @@ class ReferenceFollower:
         elif not self._switch(slot):
             return None
         now = time.monotonic()
-        state = self.state
-        with self.lock:  # as Subscriber._apply_offer records, and Link.on_receive
-            state.held = held
-            state.version = new
-            state.applied += 1  # `native` counts the C twin's alone
-            state.last_seq = seq
-            state.last_heard = now
+        with self.lock:  # as Reader.apply records, and Link.on_receive
+            self.state.followed(new, held, seq, now)
         return seq, new
 
     def _switch(self, slot: int) -> bool:

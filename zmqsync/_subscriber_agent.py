@@ -26,9 +26,6 @@ from typing import Any
 import zmq
 
 from . import _config
-from ._buffers.transport import (
-    Decision,
-)
 from ._config import XPUB_WELCOME
 from ._deadline import Deadline
 from ._errors import BufferUnavailable, ConnectTimeout, LayoutMismatch, ProtocolError
@@ -55,6 +52,7 @@ from ._sockets import (
     send_bytes,
 )
 from ._text import printable
+from ._worker_state import WorkerState
 
 __all__ = ["SUBSCRIBE_TURN_S", "WAITING_NOTE_S", "Agent", "Port", "Waiters"]
 
@@ -116,27 +114,23 @@ class Waiters:
 class Port:
     """Everything the agent thread may ask of its Subscriber, and nothing else.
 
-    The calls are weak: the thread never keeps an unclosed Subscriber alive. When one is
-    collected (in a reference cycle its weak references die before its finalizer runs),
-    a call raises ReferenceError; the thread then says BYE with what the Link holds.
+    The reader and the calls are weak: the thread never keeps an unclosed Subscriber
+    alive (a reader's ``on_update`` may hold it). When one is collected (in a reference
+    cycle its weak references die before its finalizer runs), a call raises
+    ReferenceError; the thread then says BYE with what the Link holds.
     """
 
     address: str  # the control address
     secure: Secure  # CURVE for every socket, or None
     timeout: float | None  # the handshake's (caps the wait for the subscription)
-    transport: Callable[[], Decision]  # what the first HELLO asks for
-    # map a WELCOME's buffers (None) or name the transport a second HELLO must ask for
-    adopt: Callable[[Welcome, Hello, Decision | None], Decision | None]
-    latest: Callable[[], tuple[int, int] | None]  # the mapped header's latest
-    join: Callable[[Offer], int | None]  # after a WELCOME: the version to ACK
-    offer: Callable[[Offer], int | None]  # a version arrived: the version to ACK
-    version: Callable[[], int]  # what the model computes with
+    # the worker's `Reader` (a weak proxy): transport, buffers, apply, follower
+    reader: Any
+    offer: Callable[[Offer], int | None]  # a version arrived: the version to ACK (weak)
+    follows: bool  # whether a follower may ever take the versions (`Reader.follows`)
+    state: WorkerState  # what the model computes with
     fail: Callable[[BaseException], None]  # the thread failed: raise it to the user
     notify: Callable[[], None]  # the link changed: wake whoever waits on it
     waiters: Waiters  # wake those waiting for a version once it is acked
-    # the native path for the versions that follow, on these events and acks sockets;
-    # None where this subscriber never takes it (see `_follow`)
-    follow: Callable[[zmq.Socket[bytes], zmq.Socket[bytes]], Any] | None
 
 
 class Agent:
@@ -259,17 +253,17 @@ class Agent:
     def _handshake(self, deadline: Deadline, attempts: int) -> None:
         link, port = self.link, self.port
         self._follower = None  # its sockets and session go
-        transport, note = port.transport()
+        transport, note = port.reader.initial_transport()
         hello = link.hello(os.getpid(), socket.gethostname()[:255], transport, note)
         reply = self._request_welcome(hello, deadline, attempts)
         self._answered = True
         # map and check the buffers first: a hostile WELCOME stops here
         try:
-            fallback = port.adopt(reply, hello, None)
+            fallback = port.reader.adopt(reply, hello, None)
             if fallback is not None:  # what the HELLO asked for cannot work here: say why
                 hello = link.fallback_hello(hello, reply, fallback.transport, fallback.reason)
                 reply = self._request_welcome(hello, deadline, attempts)
-                port.adopt(reply, hello, fallback)
+                port.reader.adopt(reply, hello, fallback)
         except LayoutMismatch:
             self._leave(reply)
             raise
@@ -281,11 +275,11 @@ class Agent:
             if self.acks is not None:
                 self.acks.close()
             self.acks = acks
-        offer = link.welcome(reply, time.monotonic(), port.latest())
+        offer = link.welcome(reply, time.monotonic(), port.reader.latest())
         port.notify()  # connected, and not stopped
         if offer is None or self._terminating:
             return
-        applied = port.join(offer)
+        applied = port.reader.join(offer)
         if applied is not None:
             self._applied(applied)
 
@@ -420,13 +414,13 @@ class Agent:
                     self._on_frame(frame, time.monotonic())
             now = time.monotonic()
             if now >= link.next_tick:
-                for due in link.tick(now, port.version()):
+                for due in link.tick(now, port.state.version):
                     self._do(due)
 
     def _follow(self, follower: Any, port: Port) -> bytes | None:
         """Let the Follower take the versions it can; the frame it left for us, if any."""
         link = self.link
-        got = follower.next(link.last_seq, port.version(), link.next_tick)
+        got = follower.next(link.last_seq, port.state.version, link.next_tick)
         if type(got) is int:  # applied and acked there, the gate opened: a beat is due
             return None
         if type(got) is tuple:  # applied there; its ACK did not fit in the queue
@@ -454,11 +448,11 @@ class Agent:
         """
         self._ack(version)
         self.port.waiters.wake(version)
-        follow = self.port.follow
-        if follow is not None and self._follower is None:
+        port = self.port
+        if port.follows and self._follower is None:
             events, acks = self.events, self.acks
             if events is not None and acks is not None:
-                self._follower = follow(events, acks)
+                self._follower = port.reader.follower(self.link, events, acks)
 
     def _do(self, action: Action) -> None:
         """Carry out what the Link decided."""
@@ -469,7 +463,7 @@ class Agent:
         elif isinstance(action, Heartbeat):
             self._send(action)
         elif isinstance(action, Repair):
-            offer = self.link.repair(self.port.latest())
+            offer = self.link.repair(self.port.reader.latest())
             if offer is not None:
                 self._do(offer)
         elif isinstance(action, Lost):
@@ -501,7 +495,7 @@ class Agent:
                 "subscriber %s re-joined %s at version %d",
                 self.link.worker_id,
                 self.port.address,
-                self.port.version(),
+                self.port.state.version,
             )
         except (ConnectTimeout, ProtocolError, BufferUnavailable) as exc:
             # BufferUnavailable: the segment a WELCOME named is gone — its publisher was

@@ -33,6 +33,7 @@ from ._checksum import CHECKSUM_KEY, digest, stored_digest
 from ._cli.signals import interrupt, record
 from ._errors import ProtocolError
 from ._layout import Key
+from ._reads import Aliases, Copies, OnUpdate, Reads
 from ._subscriber import Subscriber
 from ._text import printable
 
@@ -175,6 +176,8 @@ class _Watch:
         self.connected = True
         self.bus = sub.bus_id
         self.shown = 0  # versions already reported (index into verifier.versions)
+        self.mode = "alias" if isinstance(sub.reads, Aliases) else "copy"
+        self.apply = "manual" if sub.reads.manual else "background"
 
     def joined(self) -> None:
         """The "joined" line first, then every version applied since (the handshake's
@@ -189,8 +192,8 @@ class _Watch:
             "bus": sub.bus_id,
             "address": sub.address,
             "version": first,
-            "mode": sub.mode,
-            "apply": sub.apply,
+            "mode": self.mode,
+            "apply": self.apply,
             "transport": sub.transport,
         }
         if self.out.as_json:
@@ -199,8 +202,8 @@ class _Watch:
             return
         self.out.say(
             f"worker {printable(sub.worker_id)} joined bus {sub.name!r} (id {sub.bus_id}) at "
-            f"{printable(sub.address)}: version {first}, {sub.mode} mode, "
-            f"{sub.apply} apply, transport {printable(sub.transport)}"
+            f"{printable(sub.address)}: version {first}, {self.mode} mode, "
+            f"{self.apply} apply, transport {printable(sub.transport)}"
         )
         _, applied = self.verifier.joined()
         self.shown = min(applied, 1)  # the version it joined at is in the line above
@@ -318,6 +321,13 @@ class _Signals:
         record(signum)  # the command's exit status says which ended it
 
 
+def reads(mode: str, *, manual: bool, on_update: OnUpdate | None) -> Reads:
+    """The `Reads` the CLI's ``--mode`` and ``--apply`` spell."""
+    if mode == "alias":
+        return Aliases(manual=manual, on_update=on_update)
+    return Copies(manual=manual, on_update=on_update)
+
+
 def run_worker(
     address: str | None,
     *,
@@ -354,11 +364,9 @@ def run_worker(
     sub = Subscriber(
         address,
         name=name,
-        mode=mode,
-        apply=apply,
+        reads=reads(mode, manual=apply == "manual", on_update=verifier),
         worker_id=worker_id,
         timeout=timeout,
-        on_update=verifier,
     )
     verifier.sub = sub
     with signals.installed(), sub:

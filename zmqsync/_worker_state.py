@@ -1,11 +1,12 @@
 """The per-version state a worker's two followers write: one home, with fixed names.
 
 A version reaches a worker the Python way (the agent's loop, the `Link`'s rule,
-`Subscriber._apply_offer`) or through a follower: the native `Follower`
-(``_follower.c``) or its Python twin (`ReferenceFollower`), which do the same steps.
-All of them record what they did here, and nowhere else: the
-version the model computes with, the slot and seqlock counter it holds, the Link's
-sequence and liveness clock, and the counters a version bumps.
+`Reader.apply`) or through a follower: the native `Follower` (``_follower.c``) or its
+Python twin (`ReferenceFollower`), which do the same steps. All of them record what
+they did here, and nowhere else: the version the model computes with and the bus it
+came from, the slot and seqlock counter it holds, the Link's sequence and liveness
+clock, and the counters a version bumps. The Python writers go through `record` and
+`followed` (the Link keeps its clock in `last_seq`/`last_heard`); the C is their twin.
 
 The class has ``__slots__`` so that its names are fixed. The C writes these slots by
 their member descriptors, looked up by name when a Follower is built: a slot renamed
@@ -23,6 +24,8 @@ class WorkerState:
 
     Attributes:
         version: the version the model computes with (-1: none yet).
+        bus: the bus that version came from ("" before the first; the followers take
+            versions of that bus only, so they never change it).
         held: in alias mode, (slot, seqlock counter) of the slot aliased now.
         last_seq: the Link's sequence: events up to this seq are covered.
         last_heard: when a message of the Link's bus last arrived (monotonic seconds).
@@ -30,15 +33,31 @@ class WorkerState:
         native: how many of them the native (C) follower took.
     """
 
-    __slots__ = ("version", "held", "last_seq", "last_heard", "applied", "native")
+    __slots__ = ("version", "bus", "held", "last_seq", "last_heard", "applied", "native")
 
     def __init__(self) -> None:
         self.version = -1
+        self.bus = ""
         self.held: tuple[int, int] | None = None
         self.last_seq = 0
         self.last_heard = 0.0
         self.applied = 0
         self.native = 0
+
+    def record(self, version: int, held: tuple[int, int] | None, bus: str) -> None:
+        """A version applied the Python way (`Reader.apply`; caller holds the lock)."""
+        self.held = held
+        self.version, self.bus = version, bus
+        self.applied += 1
+
+    def followed(self, version: int, held: tuple[int, int] | None, seq: int, now: float) -> None:
+        """A version the Python follower took, as the C records one (caller holds the
+        lock): the Link's sequence and clock move with it (`native` counts the C's)."""
+        self.held = held
+        self.version = version
+        self.applied += 1
+        self.last_seq = seq
+        self.last_heard = now
 
     def __repr__(self) -> str:
         return (

@@ -284,16 +284,18 @@ def test_gpu_worker_maps_the_cuda_buffer_and_no_cpu_copy_is_made(
     fake_gpu()
     with (
         zmqsync.Publisher(weights(0), name=name) as pub,
-        zmqsync.Subscriber(name=name, mode=mode) as sub,
+        zmqsync.Subscriber(
+            name=name, reads=(zmqsync.Aliases() if mode == "alias" else zmqsync.Copies())
+        ) as sub,
     ):
         assert (sub.transport, sub.transport_note) == ("cuda", "")
         assert pub.workers[sub.worker_id].transport == "cuda"
         for v in (1, 2, 3):
             pub.publish(weights=weights(v))
-            assert_holds(sub._target.tensors, v)
+            assert_holds(sub._reader.target.tensors, v)
         gpu_memory = pub._mode.bound.slots._cuda[0]._flat
         start, end = gpu_memory.data_ptr(), gpu_memory.data_ptr() + gpu_memory.numel()
-        inside = start <= sub._target.tensors[("w",)].data_ptr() < end
+        inside = start <= sub._reader.target.tensors[("w",)].data_ptr() < end
         assert inside == (mode == "alias")
         assert not any(pub._mode.bound.slots.mirrored)
         assert state_of(pub)[sub.worker_id].transport_note == ""
@@ -315,7 +317,7 @@ def test_handle_refused_by_the_driver_falls_back_with_a_second_hello(
     monkeypatch.setattr(zcuda, "_open", refuse)
     with (
         zmqsync.Publisher(weights(0), name=name) as pub,
-        zmqsync.Subscriber(name=name, mode="copy") as sub,
+        zmqsync.Subscriber(name=name) as sub,
     ):
         assert sub.transport == "cpu"
         assert "opening the CUDA IPC handle failed" in sub.transport_note
@@ -323,9 +325,9 @@ def test_handle_refused_by_the_driver_falls_back_with_a_second_hello(
         assert pub.counters["handshakes"] == 2  # the second HELLO registered "cpu"
         assert pub.workers[sub.worker_id].transport == "cpu"
         assert state_of(pub)[sub.worker_id].transport_note == sub.transport_note
-        assert_holds(sub._target.tensors, 0)
+        assert_holds(sub._reader.target.tensors, 0)
         pub.publish(weights=weights(5))
-        assert_holds(sub._target.tensors, 5)
+        assert_holds(sub._reader.target.tensors, 5)
         assert opened == [0]  # never opened again after the handshake
     assert any("reads the CPU buffer" in r.getMessage() for r in caplog.records)
 
@@ -342,7 +344,7 @@ def test_rejoining_the_same_bus_reuses_the_mapping(fake_gpu, worker_sees_gpu, mo
     monkeypatch.setattr(CudaAttachment, "attach", classmethod(counting))
     with (
         zmqsync.Publisher(weights(0), name=name, on_timeout="evict", heartbeat=0.1) as pub,
-        zmqsync.Subscriber(name=name, apply="manual") as sub,
+        zmqsync.Subscriber(name=name, reads=zmqsync.Copies(manual=True)) as sub,
     ):
         first = sub._gpus[0]
         p = pub.publish(weights=weights(1), timeout=0.5)  # it does not poll: evicted
@@ -352,7 +354,7 @@ def test_rejoining_the_same_bus_reuses_the_mapping(fake_gpu, worker_sees_gpu, mo
             time.sleep(0.05)
         assert sub.worker_id in pub.workers, "the evicted worker did not re-join"
         assert sub.poll(5.0) and sub.version == 1
-        assert_holds(sub._target.tensors, 1)
+        assert_holds(sub._reader.target.tensors, 1)
         assert sub._gpus == [first] and len(attached) == 1  # mapped once, kept
 
 
@@ -377,7 +379,7 @@ def test_bus_facts_that_rule_out_cuda_ipc(
         assert sub.transport == "cpu" and needle in sub.transport_note
         assert needle in state_of(pub)[sub.worker_id].transport_note
         pub.publish(weights=weights(2))
-        assert_holds(sub._target.tensors, 2)
+        assert_holds(sub._reader.target.tensors, 2)
 
 
 def test_ipc_disabled_by_environment_needs_one_hello(fake_gpu, worker_sees_gpu, monkeypatch, name):
@@ -385,7 +387,7 @@ def test_ipc_disabled_by_environment_needs_one_hello(fake_gpu, worker_sees_gpu, 
     monkeypatch.setenv("ZMQSYNC_CUDA_IPC", "0")
     with (
         zmqsync.Publisher(weights(0), name=name) as pub,
-        zmqsync.Subscriber(name=name, mode="alias") as sub,
+        zmqsync.Subscriber(name=name, reads=zmqsync.Aliases()) as sub,
     ):
         assert (sub.transport, sub.transport_note) == ("cpu", DISABLED)
         assert pub.counters["handshakes"] == 1
@@ -414,7 +416,7 @@ def test_cuda_worker_of_a_cpu_publisher_is_told_it_copies_itself(worker_sees_gpu
         assert info.transport == "cpu"
         assert state_of(pub)[sub.worker_id].transport_note == CPU_PUBLISHER
         pub.publish(weights=weights(3))
-        assert_holds(sub._target.tensors, 3)
+        assert_holds(sub._reader.target.tensors, 3)
 
 
 def test_inspect_json_shows_transport_and_reason(fake_gpu, monkeypatch, name, capsys):

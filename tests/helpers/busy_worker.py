@@ -36,9 +36,12 @@ def main() -> int:
     with zmqsync.Subscriber(
         name=args.name,
         worker_id=args.worker_id,
-        mode=args.mode,
+        reads=(
+            zmqsync.Aliases(on_update=applied)
+            if args.mode == "alias"
+            else zmqsync.Copies(on_update=applied)
+        ),
         timeout=args.timeout,
-        on_update=applied,
     ) as sub:
         with lock:
             print(json.dumps({"event": "joined", "version": sub.version}), flush=True)

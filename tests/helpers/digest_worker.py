@@ -11,7 +11,9 @@ from zmqsync._layout import flatten
 
 def main() -> int:
     name, mode = sys.argv[1], sys.argv[2]
-    with zmqsync.Subscriber(name=name, mode=mode, timeout=30) as sub:
+    with zmqsync.Subscriber(
+        name=name, reads=(zmqsync.Aliases() if mode == "alias" else zmqsync.Copies()), timeout=30
+    ) as sub:
         print(json.dumps({"event": "ready", "version": sub.version}), flush=True)
         reported = sub.version
         while not sub.stopped:

@@ -13,7 +13,7 @@ import zmqsync
 def main() -> int:
     name = sys.argv[1]
     model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(4)])
-    with zmqsync.Subscriber(name=name, model=model, mode="alias", timeout=30) as sub:
+    with zmqsync.Subscriber(name=name, model=model, reads=zmqsync.Aliases(), timeout=30) as sub:
         print(json.dumps({"event": "ready", "version": sub.version}), flush=True)
         # The next version after the last one *reported*, not after `sub.version`: a
         # version applied just as a wait timed out would otherwise never be reported.

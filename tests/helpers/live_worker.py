@@ -15,7 +15,7 @@ import zmqsync
 def main() -> int:
     name = sys.argv[1]
     last = None
-    with zmqsync.Subscriber(name=name, mode="alias", timeout=30) as sub:
+    with zmqsync.Subscriber(name=name, reads=zmqsync.Aliases(), timeout=30) as sub:
         print(json.dumps({"event": "ready", "version": sub.version}), flush=True)
         while not sub.stopped:
             now = (sub.version, float(sub.tensors[("w",)][0]))

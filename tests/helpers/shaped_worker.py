@@ -34,7 +34,9 @@ def main() -> int:
 
     model = torch.nn.Linear(size, 8)
     try:
-        sub = zmqsync.Subscriber(name=name, model=model, timeout=60, on_update=on_update)
+        sub = zmqsync.Subscriber(
+            name=name, model=model, timeout=60, reads=zmqsync.Copies(on_update=on_update)
+        )
         sub.start()
     except zmqsync.LayoutMismatch as exc:
         say(event="mismatch", reason=str(exc))

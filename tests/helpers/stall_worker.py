@@ -43,10 +43,13 @@ def main() -> int:
     sub = zmqsync.Subscriber(
         name=name,
         model=model,
-        mode=mode,
+        reads=(
+            zmqsync.Aliases(on_update=lambda version: report(version))
+            if mode == "alias"
+            else zmqsync.Copies(on_update=lambda version: report(version))
+        ),
         timeout=60,
         worker_id=worker_id,
-        on_update=lambda version: report(version),
     )
     with sub:
         # on_update reported the version applied at the join already: reporting it again

@@ -16,13 +16,17 @@ def main() -> int:
     name, mode = sys.argv[1], sys.argv[2]
     reads = torn = bad = 0
     versions = set()
-    with zmqsync.Subscriber(name=name, mode=mode, apply="manual", timeout=20) as sub:
+    with zmqsync.Subscriber(
+        name=name,
+        reads=(zmqsync.Aliases(manual=True) if mode == "alias" else zmqsync.Copies(manual=True)),
+        timeout=20,
+    ) as sub:
         print(json.dumps({"event": "ready", "version": sub.version}), flush=True)
         while not sub.stopped:
             sub.poll(0.0)
             with sub.reading() as r:
                 values = set()
-                for t in sub._target.tensors.values():
+                for t in sub._reader.target.tensors.values():
                     values.add(float(t.min()))
                     values.add(float(t.max()))
             reads += 1
