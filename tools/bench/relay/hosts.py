@@ -114,7 +114,7 @@ def _relay_host(rank: int) -> int:
             if cmd["op"] == "join":
                 relay = zmqsync.Relay(
                     name=cmd["name"],
-                    init_method=cmd["init_method"],
+                    tree=zmqsync.Branch(cmd["init_method"]),
                     timeout=120,
                     heartbeat=0.5,
                     security=zmqsync.Security(insecure=True),  # 198.18.0.0/24: namespaces here
@@ -150,11 +150,9 @@ def _root_host(size_mb: float, pairs: int, warmup: int, chunk_mb: float) -> int:
         zmqsync.Publisher(payload, name="bench", timeout=300) as pub,
         zmqsync.RelayRoot(
             name="bench",
-            init_method=f"tcp://{ROOT_ADDRESS}:0",
+            tree=zmqsync.Tree(f"tcp://{ROOT_ADDRESS}:0", chunk_mb=chunk_mb, collective_timeout=60),
             ack="relays",
             timeout=120,
-            collective_timeout=60,
-            chunk_mb=chunk_mb,
             security=zmqsync.Security(insecure=True),  # 198.18.0.0/24: namespaces here
         ) as root,
     ):

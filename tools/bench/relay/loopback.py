@@ -91,8 +91,7 @@ def _relay_main(args: argparse.Namespace) -> int:
                     relay.close()
                 relay = zmqsync.Relay(
                     name=cmd["name"],
-                    init_method=cmd["init_method"],
-                    relay_id=f"bench{args.rank}",
+                    tree=zmqsync.Branch(cmd["init_method"], relay_id=f"bench{args.rank}"),
                     timeout=60,
                     heartbeat=0.5,
                 ).start()
@@ -165,11 +164,11 @@ def main(argv: list[str] | None = None) -> int:
                 zmqsync.Publisher(payload, name=name, timeout=120) as pub,
                 zmqsync.RelayRoot(
                     name=name,
-                    init_method="tcp://127.0.0.1:0",
+                    tree=zmqsync.Tree(
+                        "tcp://127.0.0.1:0", chunk_mb=args.chunk_mb, collective_timeout=30
+                    ),
                     ack="relays",
                     timeout=60,
-                    collective_timeout=30,
-                    chunk_mb=args.chunk_mb,
                 ) as root,
             ):
                 _command(
