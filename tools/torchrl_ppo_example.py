@@ -2,14 +2,18 @@
 
     python tools/torchrl_ppo_example.py                   # ZmqWeightSyncScheme
     python tools/torchrl_ppo_example.py --scheme shared   # torchrl's SharedMemWeightSyncScheme
+    python tools/torchrl_ppo_example.py --sync 1          # bounded staleness (zmq only)
 
-The only line that differs between the two is the scheme given to the collector. Two
+Only the scheme given to the collector differs between the two. Two
 worker processes collect from a tiny env (move a point on a line to a target); the
 trainer runs PPO on each batch and publishes the new policy with
 ``collector.update_policy_weights_()``. Each row shows which policy versions produced the
 batch (``("next", "policy_version")``, written by the workers), the mean reward, and how
-long the weight update took. Needs torchrl: ``pip install 'torchrl>=0.14'`` (or the
-extra by path, ``pip install '.[torchrl]'`` in a checkout).
+long the weight update took. ``--sync`` is the schemes' ``sync=``: ``true`` (the default)
+waits until both workers applied the version, ``false`` does not wait, and an int k
+(ZmqWeightSyncScheme only) waits until neither is more than k versions behind. Needs
+torchrl: ``pip install 'torchrl>=0.14'`` (or the extra by path, ``pip install '.[torchrl]'``
+in a checkout).
 """
 
 from __future__ import annotations
@@ -79,15 +83,36 @@ def make_actor_critic() -> tuple[ProbabilisticActor, ValueOperator]:
     return actor, critic
 
 
+def sync_option(text: str) -> bool | int:
+    """``--sync``: "true", "false", or an int k (the most versions a worker may lag)."""
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"true, false or an int, not {text!r}") from None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scheme", choices=["zmq", "shared"], default="zmq")
+    parser.add_argument(
+        "--sync",
+        type=sync_option,
+        default=True,
+        help="how long an update waits: true, false, or k (zmq: no worker k versions behind)",
+    )
     parser.add_argument("--iterations", type=int, default=12)
     parser.add_argument("--frames", type=int, default=800, help="frames per batch")
     args = parser.parse_args()
+    if args.scheme == "shared" and not isinstance(args.sync, bool):
+        parser.error("torchrl's SharedMemWeightSyncScheme takes --sync true or false")
     torch.manual_seed(0)
     actor, critic = make_actor_critic()
-    scheme = ZmqWeightSyncScheme() if args.scheme == "zmq" else SharedMemWeightSyncScheme()
+    if args.scheme == "zmq":
+        scheme = ZmqWeightSyncScheme(sync=args.sync)
+    else:
+        scheme = SharedMemWeightSyncScheme(sync=args.sync)
     start = time.perf_counter()
     collector = MultiSyncCollector(
         [make_env, make_env],
@@ -117,7 +142,7 @@ def main() -> None:
                     (total + losses["loss_entropy"]).backward()
                     optim.step()
             tick = time.perf_counter()
-            collector.update_policy_weights_()  # publish; both workers apply it
+            collector.update_policy_weights_()  # publish; wait as --sync says
             update_ms = (time.perf_counter() - tick) * 1e3
             print(f"{i:4d}  {str(batch_versions):>14}  {reward:11.3f}  {update_ms:9.2f}")
     finally:

@@ -190,6 +190,6 @@ class Rendezvous:
         """
         if not self.worker_buses:
             return self.name or "weights", self.address
-        if worker_idx not in self.worker_buses:
+        if worker_idx is None or worker_idx not in self.worker_buses:
             raise ValueError(f"no bus for torchrl worker {worker_idx} on this scheme")
         return self.worker_buses[worker_idx]
