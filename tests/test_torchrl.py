@@ -98,6 +98,31 @@ def test_scheme_pickles_as_plain_settings():
         assert scheme.name.startswith("torchrl-policy-") and scheme.version == 0
 
 
+def test_each_side_holds_its_own_state_and_one_function_makes_the_subscriber():
+    """The sender's buses and a receiver's Subscriber live in separate objects, neither
+    pickled; a change of the Subscriber's constructor is a change of one function."""
+    import ast
+    from pathlib import Path
+
+    import zmqsync.integrations.torchrl as package
+
+    made = {}
+    for path in Path(package.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) in (
+                "Subscriber",
+                "Publisher",
+            ):
+                made.setdefault(node.func.id, []).append(path.name)
+    assert made == {"Subscriber": ["_receiver.py"], "Publisher": ["_sender.py"]}
+    with ZmqWeightSyncScheme() as scheme:
+        scheme.init_on_sender(model_id="policy", model=make_policy())
+        assert scheme._sender is not None and scheme._receiver is None
+        state = scheme.__getstate__()
+        assert state["_sender"] is None and state["_receiver"] is None
+        assert state["_rendezvous"].name == scheme.name  # all a receiver needs, as strings
+
+
 def test_options_are_checked_where_they_are_given():
     for bad in ({"mode": "zero"}, {"apply": "later"}, {"on_timeout": "ignore"}, {"slots": 0}):
         with pytest.raises(ValueError):
