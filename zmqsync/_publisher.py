@@ -59,6 +59,7 @@ from ._publisher_agent import Agent, Shared
 from ._publisher_role import PublisherRole
 from ._registry import Meant, WorkerInfo
 from ._security import CurveServer, Security, forget_keys, is_loopback, issue_keys, require_security
+from ._shard_writes import sharded_mode
 from ._slots import Slots
 from ._sockets import connect
 from ._source import Source
@@ -201,7 +202,10 @@ class Publisher(Lifecycle):
 
     Args:
         weights: an nn.Module (parameters and buffers are re-read at each publish), a
-            TensorDict or a state_dict.
+            TensorDict or a state_dict. Of DTensors (FSDP2, tensor parallel, both), the
+            publisher is collective over their mesh: every rank builds one and calls
+            publish(); each writes its own shards, the lowest rank hosts the bus (see
+            docs/guide.md, "Sharded trainers and tensor-parallel workers").
         address: control address; None: ``ipc://<runtime dir>/<name>.sock``.
         name: bus name, used for the default address and segment names.
         slots: copies of the model in the shared buffer (>= 1). More slots let
@@ -241,18 +245,21 @@ class Publisher(Lifecycle):
         self.name = _config.check_name(name)
         check_options(slots, timeout, on_timeout, heartbeat, writes, security)
         self._source = Source(weights)
-        self._mode = build(writes, self._source)  # the layout the slots hold comes with it
+        self._shm_dir = _config.shm_dir(shm_dir)
+        self.bus_id = secrets.token_hex(8)  # new at every start of a publisher
+        # DTensor weights: collective over their mesh, the host rank's bus id agreed
+        sharded = sharded_mode(self._source, writes, self.bus_id, self._shm_dir, timeout)
+        self._mode = sharded or build(writes, self._source)  # with the layout the slots hold
         self._layout = self._mode.layout
         self._address_arg = address
         self._slot_count = self._mode.slot_count(slots)
         self._timeout = timeout
         self._on_timeout = on_timeout
-        self._shm_dir = _config.shm_dir(shm_dir)
         self._security = security
         curve = security.curve
         self._gid = _config.resolve_group(security.group)
         tap = security.tap if security.tap is not None else os.environ.get("ZMQSYNC_TAP") == "1"
-        self.bus_id = secrets.token_hex(8)  # new at every start of a publisher
+        self.bus_id = sharded.shards.bus_id if sharded else self.bus_id
         self.address = ""
         self._role = PublisherRole(
             name=self.name,
@@ -275,6 +282,8 @@ class Publisher(Lifecycle):
         self._segment: CpuSegment | None = None  # its header says when the bus closes
         self._resources = contextlib.ExitStack()
         self._pid = os.getpid()
+        # a sharded trainer's rank that does not host the bus only writes its shards
+        self._peer = sharded.peer(self.name, self._slot_count) if sharded else None
 
     # --- lifecycle -----------------------------------------------------------------
 
@@ -287,6 +296,10 @@ class Publisher(Lifecycle):
             ClosedError: the publisher was closed (create a new one).
         """
         if not self._starting():
+            return self
+        if self._peer is not None:
+            self._peer.start()
+            self._started()
             return self
         shared = self._shared
         with contextlib.ExitStack() as stack:
@@ -366,6 +379,9 @@ class Publisher(Lifecycle):
                 self._mode.settle(Deadline(wait_s))
         if not self._closing():  # never started, closed already, or a forked child's
             return
+        if self._peer is not None:
+            self._peer.close()
+            return
         if self._acks is not None:
             self._acks.closed = True
         if self._segment is not None:  # seen at once, also by a worker busy applying
@@ -404,7 +420,7 @@ class Publisher(Lifecycle):
     @property
     def version(self) -> int:
         """The last published version."""
-        return self._role.latest
+        return self._role.latest if self._peer is None else self._peer.version
 
     @property
     def workers(self) -> dict[str, WorkerInfo]:
@@ -466,6 +482,10 @@ class Publisher(Lifecycle):
             ValueError: `max_lag` is negative or above ``slots - 1``.
             ClosedError: the publisher is not started.
         """
+        if self._peer is not None:  # a sharded trainer's other rank: its shards only
+            self._check_lag(max_lag)
+            wait_s = self._timeout if timeout is DEFAULT else timeout
+            return self._peer.publish(weights, keys, wait_s)  # type: ignore[return-value]
         acks = self._usable()
         started = time.perf_counter()
         lag = self._check_lag(max_lag)
@@ -535,6 +555,12 @@ class Publisher(Lifecycle):
 
     def _usable(self) -> AckWait:
         """The started publisher's waits; raises what the user should hear otherwise."""
+        if self._peer is not None:
+            host = self._peer.shards.ranks[0]
+            raise ZmqSyncError(
+                f"Publisher {self.name!r} on rank {self._peer.shards.rank} writes its shards "
+                f"only: workers and acks are the bus host's (rank {host})"
+            )
         acks = self._acks
         if self._state is not State.STARTED or acks is None:
             state = "closed" if self._state is State.CLOSED else "not started"

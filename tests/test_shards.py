@@ -1,0 +1,124 @@
+"""Sharded trainers publish collectively: real ranks (torch.distributed over gloo on
+localhost), FSDP2, tensor parallel and both, each rank writing only its shards; plain
+workers get versions bit-exact against the trainer's own full state dict; a rank that
+dies or stalls fails the publish on the others, and workers keep the last version.
+
+The ranks are `tests/helpers/shard_trainer.py`, the worker `tests/helpers/digest_worker.py`.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+
+import pytest
+
+from tests.conftest import Proc
+
+pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
+
+TRAINER = "tests/helpers/shard_trainer.py"
+WORKER = "tests/helpers/digest_worker.py"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def ranks():
+    """launch(n, *args) -> the n rank processes of one trainer, killed at teardown."""
+    procs: list[Proc] = []
+
+    def launch(n: int, *args: str) -> list[Proc]:
+        port = str(_free_port())
+        for rank in range(n):
+            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(n), LOCAL_RANK=str(rank))
+            env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1")
+            procs.append(Proc([sys.executable, TRAINER, *args], env))
+        return procs[-n:]
+
+    yield launch
+    for proc in procs:
+        proc.kill()
+
+
+def _event(name: str, **fields: object):
+    return lambda r: r.get("event") == name and all(r.get(k) == v for k, v in fields.items())
+
+
+def _run(ranks, spawn, tmp_path, name, n, kind, mode="copy", steps=3, extra=()):
+    """Start the ranks and one worker; gate every version on the worker having it."""
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    procs = ranks(n, name, "--kind", kind, "--steps", str(steps), "--gate", str(gate), *extra)
+    host = procs[0]
+    started = host.wait_for(_event("started"), timeout=120)
+    assert started["kinds"] == ["DTensor", "Tensor"]
+    worker = spawn(WORKER, name, mode, module="")
+    return procs, host, worker, gate
+
+
+def _check_versions(host: Proc, worker: Proc, gate, versions) -> None:
+    for version in versions:
+        want = host.wait_for(_event("version", version=version), timeout=120)["digest"]
+        seen = worker.wait_for(_event("seen", version=version), timeout=120)
+        assert seen["digest"] == want, f"version {version} differs from full_state_dict"
+        (gate / str(version)).touch()
+
+
+CASES = [
+    pytest.param(2, "fsdp", "copy", id="fsdp2-2ranks-copy"),
+    pytest.param(4, "fsdp", "alias", id="fsdp2-4ranks-alias"),
+    pytest.param(2, "tp", "copy", id="tp-2ranks-copy"),
+    pytest.param(4, "tp", "alias", id="tp-4ranks-alias"),
+    pytest.param(4, "2d", "copy", id="fsdp-x-tp-2x2-copy"),
+]
+
+
+@pytest.mark.parametrize(("n", "kind", "mode"), CASES)
+def test_every_version_is_the_trainers_full_state_dict(ranks, spawn, tmp_path, name, n, kind, mode):
+    procs, host, worker, gate = _run(ranks, spawn, tmp_path, name, n, kind, mode)
+    # version 0 (start) arrives before the first publish: the worker shows it as ready
+    ready = worker.wait_for(_event("ready"), timeout=60)
+    assert ready["version"] == 0
+    _check_versions(host, worker, gate, range(1, 4))
+    for proc in procs:
+        proc.wait_for(_event("done"), timeout=60)
+        assert proc.finish(30) == 0, proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_a_rank_killed_mid_publish_fails_it_on_every_other_rank(ranks, spawn, tmp_path, name, n):
+    procs, host, worker, gate = _run(
+        ranks, spawn, tmp_path, name, n, "fsdp", extra=("--die-at", "2", "--timeout", "20")
+    )
+    _check_versions(host, worker, gate, [1])
+    others = [procs[0], *procs[2:]]
+    for proc in others:
+        failed = proc.wait_for(_event("failed", version=2), timeout=60)
+        assert failed["kind"] == "RanksFailed"
+        assert (
+            "rank 1" in failed["error"]
+            and "workers keep the last complete version" in (failed["error"])
+        )
+    assert "died" in procs[0].wait_for(_event("failed"))["error"]
+    assert procs[1].finish(30) == -9
+    # the worker never saw version 2, and holds version 1 whole
+    assert worker.finish(60) == 0
+    assert max(r["version"] for r in worker.records if r.get("event") == "seen") == 1
+
+
+def test_a_stalled_rank_fails_the_publish_at_the_deadline(ranks, spawn, tmp_path, name):
+    procs, host, worker, gate = _run(
+        ranks, spawn, tmp_path, name, 2, "fsdp", extra=("--stall-at", "2", "--timeout", "3")
+    )
+    _check_versions(host, worker, gate, [1])
+    failed = host.wait_for(_event("failed", version=2), timeout=60)
+    assert "did not write their shards within 3.0 s" in failed["error"], failed
+    procs[1].kill()
+    assert worker.finish(60) == 0
+    assert max(r["version"] for r in worker.records if r.get("event") == "seen") == 1
