@@ -123,9 +123,19 @@ class SchemeSender:
         if params_map is not None and (model is not None or weights is not None):
             raise ValueError("params_map= gives the weights: no model= or weights= with it")
         self._closer = weakref.finalize(owner, _close_buses, self._buses)
-        source, shared = self._sources(
-            context, model_id, model, weights, params_map, per_worker_weights
-        )
+        try:
+            source, shared = self._sources(
+                context, model_id, model, weights, params_map, per_worker_weights
+            )
+            self._rendezvous = self._start_buses(source, shared, rendezvous, model_id)
+        except BaseException:
+            self.close()  # the buses started before the failure
+            raise
+        return self._rendezvous
+
+    def _start_buses(
+        self, source: Any, shared: bool, rendezvous: Rendezvous, model_id: str
+    ) -> Rendezvous:
         name = rendezvous.name or generated_name(model_id)
         shm_dir = resolve_shm_dir(rendezvous.shm_dir)
         if isinstance(source, dict):  # per-worker weights: a bus of its own for each
@@ -140,7 +150,7 @@ class SchemeSender:
             self._bus = self._start(source, name, rendezvous.address, shm_dir, shared=shared)
             buses, address = {}, self._bus.publisher.address
         live = self._live
-        self._rendezvous = dataclasses.replace(
+        return dataclasses.replace(
             rendezvous,
             name=name,
             address=address,
@@ -149,7 +159,6 @@ class SchemeSender:
             live=live,
             worker_buses=buses,
         )
-        return self._rendezvous
 
     def _sources(
         self,
