@@ -70,3 +70,23 @@ def test_a_worker_whose_model_is_on_the_meta_device_is_told_which_tensor(name):
         with pytest.raises(TypeError, match=r"^'weight' is on the meta device"):
             sub.start()
         sub.close()
+
+
+def test_dtensor_cases_in_a_world_of_one_rank(spawn, name):
+    """A Partial placement, writes other than Copy(), keys=, a DTensor worker: each named
+    in one line; a one-rank mesh publishes as any bus (`tests/helpers/one_rank_dtensors.py`)."""
+    proc = spawn("tests/helpers/one_rank_dtensors.py", name, module="")
+    assert proc.finish(120) == 0, proc.stderr[-3000:]
+    got = {r["case"]: r for r in proc.records}
+    assert got["partial"]["error"].startswith("TypeError: 'w' is a DTensor with placement P(sum)")
+    assert got["live"]["error"].startswith("NotImplementedError: DTensor weights are written")
+    assert "publish(keys=...) is not supported" in got["keys"]["error"]
+    assert got["one-rank"] == {
+        "case": "one-rank",
+        "error": None,
+        "version": 1,
+        "applied": True,
+        "same": True,
+    }
+    assert got["worker"]["error"].startswith("TypeError: 'w' is a DTensor: a Publisher takes")
+    assert all("\n" not in (r["error"] or "") for r in got.values())

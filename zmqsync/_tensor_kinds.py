@@ -73,8 +73,8 @@ def _odd_subclass(tensor: torch.Tensor, sharded: bool) -> str | None:
         if sharded:
             return None
         return (
-            "is a DTensor: only a Publisher takes DTensors (each rank writes its shard); "
-            "this side takes plain tensors (full_tensor(), or a full state_dict)"
+            "is a DTensor: a Publisher takes DTensors (each rank writes its shards), a "
+            "worker's model takes plain tensors for now (full_tensor(), or a full state_dict)"
         )
     if kind.__name__ == "NestedTensor":
         return "is a nested tensor; send its components (unbind()) as plain tensors"

@@ -1,0 +1,77 @@
+"""DTensor cases in a world of one rank (gloo), each reported as one JSON line.
+
+    python tests/helpers/one_rank_dtensors.py NAME
+
+A world of one is enough to check what a DTensor publisher refuses, by name, without a
+crash: a Partial placement, another `writes=` than Copy(), ``publish(keys=...)``, and a
+worker whose model holds DTensors; and that a one-rank mesh publishes as any bus.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+
+import torch
+import torch.distributed as dist
+
+
+def _say(case: str, exc: BaseException | None = None, **more: object) -> None:
+    record = {"case": case, "error": None if exc is None else f"{type(exc).__name__}: {exc}"}
+    print(json.dumps({**record, **more}), flush=True)
+
+
+def main() -> int:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Shard
+
+    import zmqsync
+
+    name = sys.argv[1]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    mesh = init_device_mesh("cpu", (1,))
+    full = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    sharded = {"w": DTensor.from_local(full.clone(), mesh, [Shard(0)]), "b": torch.ones(2)}
+    partial = {"w": DTensor.from_local(full.clone(), mesh, [Partial()])}
+
+    try:
+        zmqsync.Publisher(partial, name=f"{name}p")
+        _say("partial")
+    except Exception as exc:  # reported, the test reads it
+        _say("partial", exc)
+    try:
+        zmqsync.Publisher(sharded, name=f"{name}w", writes=zmqsync.Live())
+        _say("live")
+    except Exception as exc:
+        _say("live", exc)
+    with zmqsync.Publisher(sharded, name=name, timeout=10) as pub:
+        try:
+            pub.publish(keys=["b"])
+            _say("keys")
+        except Exception as exc:
+            _say("keys", exc)
+        worker = torch.nn.Linear(4, 3)
+        worker.weight = torch.nn.Parameter(DTensor.from_local(full.clone(), mesh, [Shard(0)]))
+        sub = zmqsync.Subscriber(name=name, timeout=10)
+        sub.start()
+        sharded["w"].to_local().add_(1)
+        pub.publish()
+        got = sub.wait_for_version(pub.version, timeout=10)
+        same = bool(torch.equal(sub.weights["w"], full + 1))
+        sub.close()
+        _say("one-rank", version=pub.version, applied=got, same=same)
+        try:
+            zmqsync.Subscriber(name=name, model={"w": worker.weight}, timeout=10).start()
+            _say("worker")
+        except Exception as exc:
+            _say("worker", exc)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
