@@ -59,7 +59,8 @@ def rendezvous(init_method: str | None) -> tuple[str, int]:
         if not host or not port:
             raise ValueError(
                 "init_method env:// needs MASTER_ADDR and MASTER_PORT (the root's address "
-                "and a free port on it), or pass init_method='tcp://HOST:PORT'"
+                "and a free port on it), or give the address: Tree('tcp://HOST:PORT') on the "
+                "root, Branch('tcp://HOST:PORT') on a relay (--init-method)"
             )
     else:
         host, port = url[len("tcp://") :].rsplit(":", 1)
