@@ -16,6 +16,9 @@ from typing import Any
 from tests.helpers.vllm_env import ROOT, VllmEnv
 
 PREFIX = "@zv "
+# `vllm_probe.engine_digests` travels to the workers as a function: vLLM sends callables
+# only with pickle allowed (the test's own engine, fed by the test's own process)
+_PROBE_ENV = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
 START_TIMEOUT_S = 600.0  # ~25 s here when idle; far more with other work on 2 cores
 
 
@@ -28,7 +31,7 @@ class EngineProc:
         self.proc = subprocess.Popen(
             [str(env.python), "-m", "tests.helpers.vllm_driver", str(model)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._out, text=True,
-            env=env.env(**extra_env), cwd=ROOT,
+            env=env.env(**{**_PROBE_ENV, **extra_env}), cwd=ROOT,
         )  # fmt: skip
         self._replies: queue.Queue[dict[str, Any]] = queue.Queue()
         self._reader = threading.Thread(target=self._read, daemon=True)
