@@ -1,0 +1,219 @@
+"""A sharded trainer's publish, side by side with gathering it first: wall time and each
+rank's peak memory, FSDP2 over 2 and 4 ranks (gloo, CPU), 64 MB to 1 GB.
+
+    python -m tools.bench.shards                       # 64, 256, 1024 MB; 2 and 4 ranks
+    python -m tools.bench.shards --sizes 64 --ranks 2  # one configuration
+    python -m tools.bench.shards --json out.json
+
+Two ways, alternating in one run, the same model and one copy-mode worker each:
+
+* ``sharded``: every rank's ``Publisher(model)`` over the FSDP2 model; each rank writes
+  its own shard into the slot (no gather).
+* ``gather``: ``get_model_state_dict(full_state_dict=True, cpu_offload=True)`` on every
+  rank (a collective that gathers the whole model into rank 0), then a plain
+  ``Publisher.publish(weights=full)`` on rank 0: what a sharded trainer does without it.
+
+The model is built on the meta device and materialized after ``fully_shard`` (no rank
+ever holds it whole at start), as Linear(4096, 4096) layers of 64 MiB. Per configuration:
+one warm-up publish, then --publishes timed ones, each after a barrier; rank 0's time
+(the host's publish, or gather + publish) is reported as the median, with the slowest
+rank's. Peak RSS is each rank's high-water mark (``VmHWM``) over the publishes only:
+it is reset (``/proc/self/clear_refs``) after the warm-up.
+
+Each rank is this file run as ``--rank`` (torch.distributed's env: RANK, WORLD_SIZE,
+MASTER_ADDR, MASTER_PORT); the worker is ``--worker``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+LAYER_MB = 64  # Linear(4096, 4096), float32, no bias
+
+
+def _peak_rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return -1.0
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:  # 5: reset the high-water mark
+        f.write("5")
+
+
+def _say(**record: Any) -> None:
+    print(json.dumps(record), flush=True)
+
+
+def rank_main(way: str, name: str, size_mb: int, publishes: int) -> int:
+    """One rank: build the sharded model, publish `publishes` times one way, report."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import zmqsync
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=600))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    with torch.device("meta"):
+        model = torch.nn.Sequential(
+            *(torch.nn.Linear(4096, 4096, bias=False) for _ in range(size_mb // LAYER_MB))
+        )
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.to_local().normal_()
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+    def gathered() -> dict[str, torch.Tensor]:
+        return get_model_state_dict(model, options=options)
+
+    pub: Any = None
+    if way == "sharded":
+        pub = zmqsync.Publisher(model, name=name, timeout=120).start()
+    else:
+        first = gathered()
+        if rank == 0:
+            pub = zmqsync.Publisher(first, name=name, timeout=120).start()
+        del first
+    if rank == 0:
+        _say(event="started")
+        pub.wait_for_workers(1, timeout=120)
+    dist.barrier()
+    times: list[float] = []
+    for i in range(publishes + 1):
+        if i == 1:
+            _reset_peak()
+        dist.barrier()
+        started = time.perf_counter()
+        if way == "sharded":
+            pub.publish()
+        else:
+            full = gathered()
+            if rank == 0:
+                pub.publish(weights=full)
+            del full
+        if i:
+            times.append(time.perf_counter() - started)
+    peak = _peak_rss_mb()
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, (times, peak))
+    if rank == 0:
+        _say(
+            event="result",
+            ms=[round(1e3 * statistics.median(t), 2) for t, _ in everyone],
+            peak_rss_mb=[round(p, 1) for _, p in everyone],
+        )
+    dist.barrier()
+    if pub is not None:
+        pub.close()
+    dist.destroy_process_group()
+    return 0
+
+
+def worker_main(name: str) -> int:
+    """A copy-mode worker: applies every version until its publisher closes."""
+    import zmqsync
+
+    with zmqsync.Subscriber(name=name, timeout=120) as sub:
+        while not sub.stopped:
+            sub.wait_for_version(sub.version + 1, timeout=1.0)
+    return 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_one(way: str, size_mb: int, ranks: int, publishes: int) -> dict[str, Any]:
+    """Start `ranks` ranks and a worker for one way and size; their result line."""
+    name = f"shards{uuid.uuid4().hex[:6]}"
+    port = str(_free_port())
+    me = [sys.executable, str(Path(__file__).resolve())]
+    procs = []
+    for rank in range(ranks):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(ranks), MASTER_PORT=port)
+        env.update(MASTER_ADDR="127.0.0.1", LOCAL_RANK=str(rank))
+        args = ["--rank", way, name, str(size_mb), str(publishes)]
+        out = subprocess.PIPE if rank == 0 else subprocess.DEVNULL
+        procs.append(subprocess.Popen([*me, *args], env=env, stdout=out, text=True, cwd=ROOT))
+    worker = None
+    try:
+        host = procs[0]
+        assert host.stdout is not None
+        result: dict[str, Any] = {}
+        for line in host.stdout:
+            record = json.loads(line) if line.startswith("{") else {}
+            if record.get("event") == "started":
+                worker = subprocess.Popen([*me, "--worker", name], cwd=ROOT)
+            elif record.get("event") == "result":
+                result = record
+        for proc in procs:
+            proc.wait(timeout=600)
+        if not result:
+            raise RuntimeError(f"{way} {size_mb} MB on {ranks} ranks reported nothing")
+        return {"way": way, "size_mb": size_mb, "ranks": ranks, **result}
+    finally:
+        for proc in [*procs, worker]:
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=30)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m tools.bench.shards", description=__doc__)
+    p.add_argument("--sizes", type=int, nargs="+", default=[64, 256, 1024], help="MB")
+    p.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--publishes", type=int, default=5)
+    p.add_argument("--json", default=None, help="write the rows here too")
+    p.add_argument("--rank", nargs=4, metavar=("WAY", "NAME", "MB", "N"), help=argparse.SUPPRESS)
+    p.add_argument("--worker", metavar="NAME", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.rank:
+        way, name, size_mb, n = args.rank
+        return rank_main(way, name, int(size_mb), int(n))
+    if args.worker:
+        return worker_main(args.worker)
+    rows = []
+    print(f"{'ranks':>5} {'MB':>5} {'way':>8} {'rank 0 ms':>10} {'slowest ms':>10}  peak RSS MB")
+    for ranks in args.ranks:
+        for size_mb in args.sizes:
+            for way in ("sharded", "gather"):  # side by side, the same model and worker
+                row = run_one(way, size_mb, ranks, args.publishes)
+                rows.append(row)
+                rss = " ".join(f"{v:.0f}" for v in row["peak_rss_mb"])
+                print(
+                    f"{ranks:>5} {size_mb:>5} {way:>8} {row['ms'][0]:>10.1f} "
+                    f"{max(row['ms']):>10.1f}  {rss}",
+                    flush=True,
+                )
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
