@@ -27,7 +27,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--name", default="weights", help="bus name (default: weights)")
     p.add_argument("--root", action="store_true", help="run the root, next to the trainer's bus")
     p.add_argument("--init-method", default=None, help="env:// (default) or tcp://HOST:PORT")
-    p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
+    p.add_argument(
+        "--backend",
+        choices=("gloo", "nccl"),
+        default="gloo",
+        help="root: the collective backend (a relay follows its root's)",
+    )
     p.add_argument("--ack", choices=("tree", "relays"), default="tree", help="root: what acks mean")
     p.add_argument("--timeout", type=float, default=10.0, help="deadline per version (s)")
     p.add_argument("--on-timeout", choices=("evict", "raise"), default="evict")
@@ -43,7 +48,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--relay-id", default=None, help="relay: id on the tree (default: host name)")
     p.add_argument("--slots", type=int, default=2, help="relay: slots of the local bus")
-    p.add_argument("--device", default=None, help="CUDA device of the NCCL staging buffer")
+    p.add_argument(
+        "--device", default=None, help="CUDA device of the NCCL staging buffer (with nccl)"
+    )
     p.add_argument("--connect-timeout", type=float, default=60.0, help="relay: wait for a root (s)")
     p.add_argument(
         "--insecure", action="store_true", help="allow a non-loopback rendezvous address"
