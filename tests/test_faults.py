@@ -150,9 +150,9 @@ def test_publisher_sigkill_then_restart(spawn, name):
         )
         bus = restarted.wait_for(lambda r: r.get("event") == "started", timeout=60)["bus"]
         deadline = time.monotonic() + 20
-        while not (sub.connected and sub._bus_id == bus) and time.monotonic() < deadline:
+        while not (sub.connected and sub._reader.bus_id == bus) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert sub.connected and sub._bus_id == bus
+        assert sub.connected and sub._reader.bus_id == bus
         version_now = sub.version
         assert sub.wait_for_version(version_now + 2, timeout=20)
         flat = dict(sub._reader.target.tensors)

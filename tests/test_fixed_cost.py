@@ -19,7 +19,7 @@ import torch
 
 import zmqsync
 from tests.helpers import native
-from zmqsync import _apply, _subscriber
+from zmqsync import _apply, _read_modes, _subscriber
 from zmqsync._errors import ProtocolError
 from zmqsync._fast_frames import read_ack, read_receive, template
 from zmqsync._layout import flatten
@@ -58,10 +58,10 @@ def alias_way(request, monkeypatch):
     """Alias mode through the storage switch, by the native Follower (where it is built)
     or in Python, or (a torch without its pointer swap) by setting every tensor."""
     if request.param == "native":
-        if _subscriber.FOLLOWER is None:
+        if _read_modes.FOLLOWER is None:
             native.missing()
     else:
-        monkeypatch.setattr(_subscriber, "FOLLOWER", None)
+        monkeypatch.setattr(_read_modes, "FOLLOWER", None)
         monkeypatch.setattr(_subscriber, "GATE", None)
     if request.param == "per-tensor":
         monkeypatch.setattr(_apply, "_SWAP_DATA_PTR", None)

@@ -25,7 +25,7 @@ import torch
 
 import zmqsync
 from tests.conftest import ROOT
-from zmqsync import _publisher, _source, _subscriber
+from zmqsync import _publisher, _read_modes, _source
 from zmqsync._buffers import CudaAttachment, SharedBuffer
 from zmqsync._buffers import cuda as zcuda
 from zmqsync._buffers.transport import CPU_PUBLISHER, DISABLED, NO_GPU, pid_namespace
@@ -346,7 +346,7 @@ def test_rejoining_the_same_bus_reuses_the_mapping(fake_gpu, worker_sees_gpu, mo
         zmqsync.Publisher(weights(0), name=name, on_timeout="evict", heartbeat=0.1) as pub,
         zmqsync.Subscriber(name=name, reads=zmqsync.Copies(manual=True)) as sub,
     ):
-        first = sub._gpus[0]
+        first = sub._reader.gpus[0]
         p = pub.publish(weights=weights(1), timeout=0.5)  # it does not poll: evicted
         assert p.missing == (sub.worker_id,)
         deadline = time.monotonic() + 20
@@ -355,7 +355,7 @@ def test_rejoining_the_same_bus_reuses_the_mapping(fake_gpu, worker_sees_gpu, mo
         assert sub.worker_id in pub.workers, "the evicted worker did not re-join"
         assert sub.poll(5.0) and sub.version == 1
         assert_holds(sub._reader.target.tensors, 1)
-        assert sub._gpus == [first] and len(attached) == 1  # mapped once, kept
+        assert sub._reader.gpus == [first] and len(attached) == 1  # mapped once, kept
 
 
 @pytest.mark.parametrize(
@@ -537,5 +537,5 @@ def test_cuda_worker_of_a_cpu_publisher_process(spawn, name):
 
 def test_subscriber_module_uses_the_seams():
     """The fakes above patch what the subscriber really calls."""
-    assert _subscriber._cuda is zcuda
+    assert _read_modes._cuda is zcuda
     assert sys.modules["zmqsync._buffers.cuda"] is zcuda
