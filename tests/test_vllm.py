@@ -15,6 +15,7 @@ tensors) when a bus publishes seed `FINAL` again.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -168,7 +169,7 @@ def test_a_version_with_nan_is_refused_with_check_finite(engine, bus):
 def test_a_trainer_that_dies_is_reported_and_the_engine_keeps_serving(engine, bus, name):
     trainer = subprocess.Popen(
         [sys.executable, "-m", "tests.helpers.vllm_trainer", name, str(FINAL)],
-        stdout=subprocess.PIPE, text=True, cwd=vllm_env.ROOT,
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=vllm_env.ROOT,
     )  # fmt: skip
     try:
         assert trainer.stdout is not None
@@ -188,7 +189,42 @@ def test_a_trainer_that_dies_is_reported_and_the_engine_keeps_serving(engine, bu
     finally:
         trainer.kill()
         trainer.wait(30)
-        if trainer.stdout is not None:
-            trainer.stdout.close()
+        for pipe in (trainer.stdin, trainer.stdout):
+            if pipe is not None:
+                pipe.close()
         for leftover in os.listdir(os.environ["ZMQSYNC_SHM_DIR"]):  # SIGKILL leaks them
             os.unlink(os.path.join(os.environ["ZMQSYNC_SHM_DIR"], leftover))
+
+
+def _doc_block(after: str) -> str:
+    """The first ```python block after the line that names `after` in docs/vllm.md."""
+    text = (vllm_env.ROOT / "docs" / "vllm.md").read_text()
+    start = text.index("```python\n", text.index(after)) + len("```python\n")
+    return text[start : text.index("```", start)]
+
+
+def test_the_docs_example_runs_as_written(venv, model_dir, tmp_path):
+    for script in ("trainer.py", "engine.py"):
+        (tmp_path / script).write_text(_doc_block(f"`{script}`"))
+    env = venv.env()
+    engine = subprocess.Popen(
+        [str(venv.python), "engine.py", str(model_dir)], cwd=tmp_path, env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    trainer = subprocess.run(
+        [str(venv.python), "trainer.py", str(model_dir)], cwd=tmp_path, env=env,
+        capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    try:
+        out, _ = engine.communicate(timeout=300)
+    finally:
+        engine.kill()
+    assert trainer.returncode == 0, trainer.stderr[-3000:]
+    assert trainer.stdout.split() == [w for v in range(1, 6) for w in ("published", str(v))]
+    lines = [line for line in out.splitlines() if re.match(r"v\d+: |stopping: ", line)]
+    versions = [int(line[1:].split(":")[0]) for line in lines if line[:1] == "v"]
+    assert versions[0] == 0 and versions[-1] == 5 and versions == sorted(set(versions)), lines
+    for line in lines[:-1]:
+        assert line.endswith(f"(sampled by {line[1:].split(':')[0]})"), line
+    assert lines[-1] == "stopping: trainer", out[-3000:]
+    assert engine.returncode == 0
