@@ -10,6 +10,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+from ..._reads import Aliases, Copies, Reads
 from ..._subscriber import Subscriber
 from ._options import Options, Rendezvous
 from ._weights import materialize
@@ -42,15 +43,19 @@ def start_subscriber(
         ConnectTimeout: no publisher answered at the address within `timeout`.
         LayoutMismatch: `model`'s weights differ from what the bus carries.
     """
+    manual = apply == "manual"  # on_update: after each apply, before the ack
+    reads: Reads = (
+        Aliases(manual=manual, on_update=on_update)
+        if mode == "alias"
+        else Copies(manual=manual, on_update=on_update)
+    )
     return Subscriber(
         address,
         model,
         name=name,
-        mode=mode,
-        apply=apply,
+        reads=reads,
         worker_id=worker_id,
         timeout=timeout,
-        on_update=on_update,  # after each apply, before the ack
         shm_dir=shm_dir,
     ).start()
 
