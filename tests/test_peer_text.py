@@ -35,7 +35,7 @@ from zmqsync._protocol import (
     Message,
     State,
     TensorSpec,
-    WorkerState,
+    WorkerEntry,
     decode,
     encode,
 )
@@ -145,7 +145,7 @@ def _hostile_state() -> State:
         events="tcp://127.0.0.1:1",
         buffers=(BufferInfo("cpu", "cpu\x1b[2J[/]", "zmqsync-x", 8192, 4096),),
         manifest=(TensorSpec(("[/bold]\x1b[2J", "w\u202e"), "float32", (1,), (1,), 0, 4),),
-        workers=(WorkerState(WORKER, 7, HOST, "copy", "cpu", 3, 0.5, NOTE),),
+        workers=(WorkerEntry(WORKER, 7, HOST, "copy", "cpu", 3, 0.5, NOTE),),
         counters={"evil\x1b[2J[/red]": 5},
     )
 
@@ -354,7 +354,7 @@ def test_relay_tables_of_inspect_show_peer_text_literally(capsys):
     from zmqsync._protocol import to_plain
     from zmqsync.relay import RelayInfo
 
-    worker = WorkerState(WORKER, 7, HOST, "copy", "cpu", 3, 0.5)
+    worker = WorkerEntry(WORKER, 7, HOST, "copy", "cpu", 3, 0.5)
     relay = RelayInfo("[/red]relay", HOST, 8, "active", 1, 1, 3, 3, 0.1, (worker,))
     tree = {"tree": "t[/]", "pid": 9, "version": 3, "generation": 1, "ack": "all"}
     tree["relays"] = [to_plain(relay)]

@@ -49,7 +49,7 @@ from zmqsync._protocol import (
     Tap,
     TensorSpec,
     Welcome,
-    WorkerState,
+    WorkerEntry,
     contiguous_stride,
     decode,
     encode,
@@ -93,8 +93,8 @@ BUFFERS = (
     ),
 )
 WORKERS = (
-    WorkerState("host-4242", 4242, "host", "copy", "cpu", 3, 0.25),
-    WorkerState("actor-1", 77, "node-7.example", "alias", "cuda", -1, 12.5),
+    WorkerEntry("host-4242", 4242, "host", "copy", "cpu", 3, 0.25),
+    WorkerEntry("actor-1", 77, "node-7.example", "alias", "cuda", -1, 12.5),
 )
 
 MESSAGES: list[Message] = [
@@ -185,7 +185,7 @@ def refused(data: Any, **kwargs: Any) -> ProtocolError:
 
 def test_every_message_type_is_exercised() -> None:
     assert {type(m) for m in MESSAGES} == set(MESSAGE_TYPES.values())
-    assert set(FIELDS) == set(MESSAGE_TYPES.values()) | {TensorSpec, BufferInfo, WorkerState}
+    assert set(FIELDS) == set(MESSAGE_TYPES.values()) | {TensorSpec, BufferInfo, WorkerEntry}
 
 
 @pytest.mark.parametrize("msg", MESSAGES, ids=ids)

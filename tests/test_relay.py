@@ -28,7 +28,7 @@ from tests.conftest import Proc, deadline_listdir
 from zmqsync._buffers import collect_garbage
 from zmqsync._checksum import CHECKSUM_KEY, digest, digest_tensor
 from zmqsync._layout import flatten
-from zmqsync._protocol import TensorSpec, WorkerState
+from zmqsync._protocol import TensorSpec, WorkerEntry
 from zmqsync.cli import main
 from zmqsync.relay import _messages as messages
 from zmqsync.relay._messages import RELAY
@@ -535,7 +535,7 @@ def test_root_refuses_a_one_slot_bus(name):
 
 
 SPEC = TensorSpec(("a", "w"), "float32", (2, 3), (3, 1), 0, 24)
-WORKER = WorkerState("w0", 12, "h", "copy", "cpu", 3, 0.5)
+WORKER = WorkerEntry("w0", 12, "h", "copy", "cpu", 3, 0.5)
 MESSAGES = [
     messages.Join("hostA", "hostA", 1, "", -1),
     messages.Accept("0" * 16, "1" * 16, 0.5),

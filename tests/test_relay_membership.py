@@ -12,7 +12,7 @@ import itertools
 import pytest
 
 from zmqsync._config import LOST_AFTER_BEATS
-from zmqsync._protocol import WorkerState
+from zmqsync._protocol import WorkerEntry
 from zmqsync.relay._membership import Generation, Member, Membership
 from zmqsync.relay._messages import (
     Accept,
@@ -135,7 +135,7 @@ def test_a_bye_removes_the_relay():
 def test_a_status_refreshes_what_the_relay_holds_its_workers_and_its_route():
     m = tree()
     a = join(m, "a")
-    worker = WorkerState("w0", 5, "h", "copy", "cpu", 3, 0.25)
+    worker = WorkerEntry("w0", 5, "h", "copy", "cpu", 3, 0.25)
     msg = Status(a.session, -1, BUS, 3, 2, (worker,))
     assert m.on_message(b"new-route", msg, now=1.5) is None
     assert (a.last_seen, a.identity, a.workers) == (1.5, b"new-route", (worker,))

@@ -22,7 +22,7 @@ from tests.test_relay import MESSAGES
 from zmqsync import ProtocolError
 from zmqsync import _protocol as protocol
 from zmqsync._checks import choice, integer, record, text
-from zmqsync._protocol import FIELDS, MESSAGE_TYPES, MessageSet, TensorSpec, WorkerState
+from zmqsync._protocol import FIELDS, MESSAGE_TYPES, MessageSet, TensorSpec, WorkerEntry
 from zmqsync.relay import _membership, _messages
 from zmqsync.relay._messages import RELAY
 
@@ -174,7 +174,7 @@ def test_a_definition_must_match_its_dataclass_exactly():
     with pytest.raises(ValueError, match="the table names"):
         pings.define(Tick, {"mood": (choice("ok"), ""), "extra": (integer(), "")})
     with pytest.raises(ValueError, match="defined already"):
-        pings.define(WorkerState, dict(FIELDS[WorkerState]))
+        pings.define(WorkerEntry, dict(FIELDS[WorkerEntry]))
     with pytest.raises(ValueError, match="defined already"):
         pings.define(_messages.Bye, dict(RELAY.fields[_messages.Bye]))
 

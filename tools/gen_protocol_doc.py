@@ -43,7 +43,7 @@ OUTPUT = ROOT / "docs" / "protocol.md"
 
 EXAMPLE_BUS = "3f9a0c1d2e4b5a69"
 EXAMPLE_SESSION = "8c41d07f2b9e6a13"
-RECORDS = (P.TensorSpec, P.BufferInfo, P.WorkerState)
+RECORDS = (P.TensorSpec, P.BufferInfo, P.WorkerEntry)
 
 # socket: (publisher side, subscriber side, what it carries)
 SOCKETS = {
@@ -230,7 +230,7 @@ subscriber opens the handle once, while it handles the WELCOME (`cudaIpcOpenMemH
 in torch `UntypedStorage._new_shared_cuda`), never afterwards; a RECEIVE is only sent
 after the publisher's GPU copies into the slot have completed. Checked by `decode`: a
 `"cuda"` `handle` is empty or exactly {ipc_bytes} bytes.""",
-    P.WorkerState: """\
+    P.WorkerEntry: """\
 Only in STATE. `transport` is what the worker reads: `"cuda"` (it mapped the CUDA
 buffers) or `"cpu"` (the CPU segment); `transport_note` is the reason a worker reads the
 CPU copy of CUDA weights, as its HELLO gave it.""",
@@ -282,7 +282,7 @@ Every frame is one msgpack map with `proto` = {relay_proto}, `type` and exactly 
 below (no `bus`), checked as the bus messages are: anything else is dropped and counted
 (`rejected`), and a message of an unknown or ended session is answered RELAY_EVICT.
 `manifest` and `workers` hold the bus protocol's [TensorSpec](#tensorspec) and
-[WorkerState](#workerstate) records.
+[WorkerEntry](#workerentry) records.
 
 The bytes of a version travel on the generation's torch.distributed process group: a
 header `int64[4]` = (`{magic:#x}`, generation, version, bytes), then the root slot's
@@ -332,7 +332,7 @@ A message is a msgpack **map** with string keys:
 
 Strings are msgpack `str` (UTF-8); byte strings (`handle`) are msgpack `bin` (pack with
 `use_bin_type=True`). Lists are arrays; nested records (`TensorSpec`, `BufferInfo`,
-`WorkerState`) are maps with the same rules. Integer fields need msgpack integers (not
+`WorkerEntry`) are maps with the same rules. Integer fields need msgpack integers (not
 floats, not booleans); float fields take any finite number. No extension types.
 
 **Nothing received is ever unpickled.** Pickle turns bytes into code execution, so a

@@ -72,7 +72,7 @@ __all__ = [
     "TensorSpec",
     "contiguous_stride",
     "Welcome",
-    "WorkerState",
+    "WorkerEntry",
     "decode",
     "encode",
     "max_encoded",
@@ -181,7 +181,7 @@ class BufferInfo:
 
 
 @dataclass(frozen=True, slots=True)
-class WorkerState:
+class WorkerEntry:
     """A worker as the publisher sees it (in STATE)."""
 
     worker_id: str
@@ -372,7 +372,7 @@ class State:
     events: str
     buffers: tuple[BufferInfo, ...]
     manifest: tuple[TensorSpec, ...]
-    workers: tuple[WorkerState, ...]
+    workers: tuple[WorkerEntry, ...]
     counters: dict[str, int]
 
 
@@ -436,7 +436,7 @@ FIELDS: dict[type[Any], dict[str, tuple[Check, str]]] = {
         ),
         "ipc_note": (text(256), "why a cuda buffer has no handle (then read the cpu copy)"),
     },
-    WorkerState: {
+    WorkerEntry: {
         "worker_id": (_ID, "worker id"),
         "pid": (integer(), "process id in the worker's namespace"),
         "host": (text(255), "host name"),
@@ -528,7 +528,7 @@ FIELDS: dict[type[Any], dict[str, tuple[Check, str]]] = {
         "events": (_ENDPOINT, "events endpoint (for sniffers when the tap is off)"),
         "buffers": (list_of(record(BufferInfo), 16), "as in WELCOME"),
         "manifest": (list_of(record(TensorSpec), MAX_TENSORS), "as in WELCOME"),
-        "workers": (list_of(record(WorkerState), MAX_WORKERS), "live workers"),
+        "workers": (list_of(record(WorkerEntry), MAX_WORKERS), "live workers"),
         "counters": (counters, "publishes, acks, timeouts, evictions, rejected, ..."),
     },
     Tap: {

@@ -58,7 +58,7 @@ from ._protocol import (
     Stop,
     TensorSpec,
     Welcome,
-    WorkerState,
+    WorkerEntry,
 )
 from ._registration import registered
 from ._registry import Meant, Member, Registry, WorkerInfo
@@ -222,7 +222,7 @@ class PublisherRole:
     def state(self, now: float, *, pid: int, extra: dict[str, int] | None = None) -> State:
         """What INSPECT gets: the bus, its buffers and manifest, workers and counters."""
         workers = tuple(
-            WorkerState(
+            WorkerEntry(
                 m.worker_id,
                 m.pid,
                 m.host,

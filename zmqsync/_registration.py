@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 __all__ = ["CPU_PUBLISHER", "NOTE_MAX", "Decision", "clip_note", "registered"]
 
-NOTE_MAX = 256  # Hello.transport_note / WorkerState.transport_note
+NOTE_MAX = 256  # Hello.transport_note / WorkerEntry.transport_note
 CPU_PUBLISHER = "the bus carries CPU weights: the worker copies them to its own device"
 
 

@@ -29,7 +29,7 @@ from .. import _config
 from .._agent_thread import AgentThread
 from .._deadline import Deadline
 from .._errors import ConnectTimeout, ProtocolError
-from .._protocol import WorkerState
+from .._protocol import WorkerEntry
 from .._publisher import Publisher
 from .._sockets import connect
 from ._messages import (
@@ -80,13 +80,13 @@ class Holding:
         return Status(session, self.gen, bus, version, acked, local_workers(self.publisher))
 
 
-def local_workers(pub: Publisher | None) -> tuple[WorkerState, ...]:
+def local_workers(pub: Publisher | None) -> tuple[WorkerEntry, ...]:
     """The local bus's workers as a STATUS reports them (`last_seen`: seconds ago)."""
     if pub is None:
         return ()
     now = time.time()
     return tuple(
-        WorkerState(
+        WorkerEntry(
             w.worker_id,
             w.pid,
             w.host[:255],

@@ -39,7 +39,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from .._config import LOST_AFTER_BEATS
-from .._protocol import WorkerState
+from .._protocol import WorkerEntry
 from ._messages import (
     MAX_RELAYS,
     Accept,
@@ -83,7 +83,7 @@ class Member:
     failed: tuple[int, int] = (-1, -1)  # (gen, version) of its last failure report
     retry_at: float = 0.0  # not taken into a generation before this time
     missing: tuple[str, ...] = ()  # local workers that missed its last acked version
-    workers: tuple[WorkerState, ...] = ()
+    workers: tuple[WorkerEntry, ...] = ()
 
     @property
     def connected(self) -> bool:

@@ -5,7 +5,7 @@ relays; see ``docs/multi-host.md``). They are defined here as a `MessageSet` of 
 protocol module: the tables below are the specification (``docs/protocol.md`` renders
 them), and `RELAY.decode` is the one place where the channel's bytes become objects.
 It returns a message or raises `ProtocolError`; nothing received is ever unpickled.
-The records inside them (`TensorSpec`, `WorkerState`) are the bus protocol's own.
+The records inside them (`TensorSpec`, `WorkerEntry`) are the bus protocol's own.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import ClassVar, TypeAlias
 
 from .._checks import choice, counters, integer, list_of, number, record, text
-from .._protocol import MAX_TENSORS, MessageSet, TensorSpec, WorkerState
+from .._protocol import MAX_TENSORS, MessageSet, TensorSpec, WorkerEntry
 
 __all__ = [
     "MAX_RELAYS",
@@ -65,7 +65,7 @@ class RelayInfo:
     version: int
     acked: int
     last_seen: float
-    workers: tuple[WorkerState, ...]
+    workers: tuple[WorkerEntry, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,7 +167,7 @@ class Status:
     have_bus: str
     have_version: int
     acked: int
-    workers: tuple[WorkerState, ...]
+    workers: tuple[WorkerEntry, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,7 +233,7 @@ RELAY_ID = text(128, re.compile(r"^[\x21-\x7e]+\Z"), empty=False)
 VERSION = integer(-1)
 GEN = integer(0)
 REASON = text(512)
-WORKERS = list_of(record(WorkerState), MAX_RELAY_WORKERS)
+WORKERS = list_of(record(WorkerEntry), MAX_RELAY_WORKERS)
 
 _TREE = (TREE, "id of the root's tree (16 hex digits, new each time a root starts)")
 _SESSION = (SESSION, "the relay's session, from ACCEPT")
