@@ -84,10 +84,18 @@ class Engine:
         self.workers: list[dict[str, Any]] = []  # the last statuses, one per worker
         self._closed = False
         self._where = f"vLLM engine on bus {name!r}"
-        self.workers = self._rpc(
-            "zmqsync_join", timeout, name=name, address=address, timeout=timeout,
-            shm_dir=shm_dir, check_finite=check_finite,
-        )  # fmt: skip
+        try:
+            self.workers = self._rpc(
+                "zmqsync_join", timeout, name=name, address=address, timeout=timeout,
+                shm_dir=shm_dir, check_finite=check_finite,
+            )  # fmt: skip
+        except Exception as exc:
+            if "zmqsync_join" not in str(exc):
+                raise
+            raise TypeError(
+                "this vllm.LLM's workers have no zmqsync extension: make it with "
+                "LLM(..., worker_extension_cls=zmqsync.integrations.vllm.WORKER_EXTENSION)"
+            ) from exc
         try:
             check(self.workers, self._where, self.version)
         except UpdateFailed:
