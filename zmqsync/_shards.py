@@ -36,7 +36,7 @@ from ._errors import LayoutMismatch
 from ._layout import Key, Layout
 from ._tensor_kinds import is_dtensor
 
-__all__ = ["Piece", "ShardWriter", "Shards"]
+__all__ = ["Piece", "ShardWriter", "Shards", "piece_of"]
 
 
 @dataclass(frozen=True)
@@ -69,6 +69,27 @@ def _placements(key: Key, tensor: Any) -> tuple[_slices.Placement, ...]:
                 "reduction, not bytes to publish; redistribute it to Shard or Replicate first"
             )
     return tuple(out)
+
+
+def piece_of(key: Key, tensor: Any) -> Piece:
+    """Where this rank's part of DTensor `tensor` lies in the full tensor, as plain
+    numbers for `_slices` (a tensor-parallel worker's slice is the same question).
+
+    Raises:
+        TypeError: a Partial placement, a mesh of another device type than CPU, or a
+            mesh that leaves out this rank, naming the tensor.
+    """
+    mesh = tensor.device_mesh
+    if mesh.device_type != "cpu":
+        raise TypeError(
+            f"{_name(key)!r} is a DTensor on a {mesh.device_type} mesh: shards are written "
+            "from CPU meshes for now; publish a full state_dict from one rank instead (see "
+            "docs/guide.md)"
+        )
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        raise TypeError(f"{_name(key)!r} is a DTensor whose mesh leaves out this rank")
+    return Piece(_placements(key, tensor), tuple(mesh.shape), tuple(coordinate))
 
 
 def _host_id() -> str:
@@ -125,18 +146,8 @@ class Shards:
         for key, tensor in flat.items():
             if not is_dtensor(tensor):
                 continue
-            mesh = tensor.device_mesh  # type: ignore[attr-defined]
-            if mesh.device_type != "cpu":
-                raise TypeError(
-                    f"{_name(key)!r} is a DTensor on a {mesh.device_type} mesh: a sharded "
-                    "publisher takes CPU meshes for now; publish a full state_dict from one "
-                    "rank instead (see docs/guide.md)"
-                )
-            coordinate = mesh.get_coordinate()
-            if coordinate is None:
-                raise TypeError(f"{_name(key)!r} is a DTensor whose mesh leaves out this rank")
-            pieces[key] = Piece(_placements(key, tensor), tuple(mesh.shape), tuple(coordinate))
-            covered.update(int(r) for r in mesh.mesh.flatten().tolist())
+            pieces[key] = piece_of(key, tensor)
+            covered.update(int(r) for r in tensor.device_mesh.mesh.flatten().tolist())  # type: ignore[attr-defined]
         world = dist.get_world_size()
         if covered != set(range(world)):
             raise NotImplementedError(
