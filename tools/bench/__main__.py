@@ -40,6 +40,8 @@ SCENARIOS: dict[str, dict[str, tuple[str, str, str]]] = {
         "loopback": ("relay.loopback", "main", "relays vs a gloo broadcast, on loopback"),
         "hosts": ("relay.hosts", "main", "relays vs gloo between namespace hosts (root)"),
     },
+    "vllm": {"": ("vllm", "main",
+        "a vLLM engine's update() vs its own reload, disk, pickle; tokens/s")},
     "staleness": {"": ("staleness", "main", "max_lag 0/1/2/none: steps/s and lag")},
     "metrics": {"": ("metrics_cost", "main", "what a scraper every 100 ms costs a publish")},
     "storms": {"": ("storms", "main", "a connection or HELLO storm on a bus of this host")},
