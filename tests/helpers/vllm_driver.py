@@ -1,14 +1,15 @@
 """A vLLM engine driven by a test, one JSON command per stdin line (run in the vLLM venv).
 
-``python -m tests.helpers.vllm_driver MODEL_DIR`` starts ``LLM(MODEL_DIR,
-worker_extension_cls=WORKER_EXTENSION)``, prints ``@zv {"event": "ready"}``, then answers
-each command line with one ``@zv {...}`` line (vLLM's own logs go to the same stdout;
-the prefix tells replies apart):
+``python -m tests.helpers.vllm_driver MODEL_DIR [TP]`` starts ``LLM(MODEL_DIR,
+worker_extension_cls=WORKER_EXTENSION, tensor_parallel_size=TP)``, prints
+``@zv {"event": "ready"}``, then answers each command line with one ``@zv {...}`` line
+(vLLM's own logs go to the same stdout; the prefix tells replies apart):
 
 * ``{"op": "attach", "name", "address", "shm_dir", "check_finite", "timeout"}``
 * ``{"op": "update", "timeout"}`` -> ``{"version"}`` or ``{"error", "kind", "version"}``
 * ``{"op": "generate", "prompts", "max_tokens"}`` -> ``{"tokens", "weight_versions"}``
-* ``{"op": "tensors"}`` -> ``{"digests": {name: sha256}}``: what the engine computes with
+* ``{"op": "tensors"}`` -> ``{"digests": [{name: sha256}, ...]}`` (one per rank): what the
+  engine computes with
   (`tests.helpers.vllm_probe`), through ``collective_rpc``
 * ``{"op": "detach"}``, ``{"op": "quit"}``
 """
@@ -28,14 +29,15 @@ def reply(**fields: Any) -> None:
     sys.stdout.flush()
 
 
-def main(model: str) -> int:
+def main(model: str, tp: int = 1) -> int:
     from vllm import LLM, SamplingParams
 
     from tests.helpers.vllm_probe import engine_digests
     from zmqsync.integrations import vllm as zv
 
     llm = LLM(model, worker_extension_cls=zv.WORKER_EXTENSION, dtype="bfloat16",
-              max_model_len=256, enforce_eager=True, seed=0, max_num_seqs=8)  # fmt: skip
+              max_model_len=256, enforce_eager=True, seed=0, max_num_seqs=8,
+              tensor_parallel_size=tp)  # fmt: skip
     engine: zv.Engine | None = None
     reply(event="ready")
     for line in sys.stdin:
@@ -64,7 +66,7 @@ def main(model: str) -> int:
                     ],
                 )
             elif op == "tensors":
-                reply(digests=llm.collective_rpc(engine_digests)[0])
+                reply(digests=llm.collective_rpc(engine_digests))  # one dict per rank
             elif op == "detach":
                 if engine is not None:
                     engine.close()
@@ -84,4 +86,4 @@ def main(model: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    sys.exit(main(sys.argv[1], *map(int, sys.argv[2:3])))

@@ -25,11 +25,13 @@ START_TIMEOUT_S = 600.0  # ~25 s here when idle; far more with other work on 2 c
 class EngineProc:
     """A `tests.helpers.vllm_driver` process: `call(op, **fields)` -> its reply."""
 
-    def __init__(self, env: VllmEnv, model: Path, log: Path, **extra_env: str) -> None:
+    def __init__(
+        self, env: VllmEnv, model: Path, log: Path, tp: int = 1, **extra_env: str
+    ) -> None:
         self.log = log
         self._out = open(log, "w")  # noqa: SIM115 - closed in close()
         self.proc = subprocess.Popen(
-            [str(env.python), "-m", "tests.helpers.vllm_driver", str(model)],
+            [str(env.python), "-m", "tests.helpers.vllm_driver", str(model), str(tp)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._out, text=True,
             env=env.env(**{**_PROBE_ENV, **extra_env}), cwd=ROOT,
         )  # fmt: skip

@@ -47,8 +47,31 @@ def engine_digests(worker: Any) -> dict[str, str]:
     return out
 
 
-def expected_digests(state: dict[str, torch.Tensor]) -> dict[str, str]:
-    """The digests `engine_digests` reads from an engine loaded with `state`."""
+# tensor parallel: these are split along their input dimension (RowParallelLinear); the
+# other matrices along their output dimension (column parallel, vocab parallel); vectors
+# (norms) are whole on every rank
+ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj")
+
+
+def shard(state: dict[str, torch.Tensor], rank: int, world: int) -> dict[str, torch.Tensor]:
+    """What tensor-parallel rank `rank` of `world` holds of each checkpoint tensor."""
+    if world == 1:
+        return state
+    out = {}
+    for name, t in state.items():
+        if t.dim() == 1:
+            out[name] = t
+        else:
+            dim = 1 if any(f".{r}." in name for r in ROW_PARALLEL) else 0
+            out[name] = t.chunk(world, dim)[rank]
+    return out
+
+
+def expected_digests(
+    state: dict[str, torch.Tensor], rank: int = 0, world: int = 1
+) -> dict[str, str]:
+    """The digests `engine_digests` reads from rank `rank` of an engine loaded with `state`."""
+    state = shard(state, rank, world)
     fused: dict[str, torch.Tensor] = {}
     for name, t in state.items():
         for target, parts in FUSED.items():
