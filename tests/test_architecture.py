@@ -514,6 +514,48 @@ def test_no_import_cycle(scope):
     assert _cycles(graph) == list(CYCLES_ALLOWED[scope]), "break the cycle (an import moves)"
 
 
+# The harness (tools/bench) has no import cycle either, counting every import: inside
+# functions, under `if TYPE_CHECKING:` (a type hint that goes both ways is a cycle too),
+# and the bare `from roles import ...` of the scripts its role processes run by path.
+HARNESS = PACKAGE.parent / "tools" / "bench"
+
+
+def _harness_graph() -> dict[str, set[str]]:
+    modules = {}
+    for path in HARNESS.rglob("*.py"):
+        parts = ("tools", *path.relative_to(HARNESS.parent).with_suffix("").parts)
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+        found: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                module = node.module or ""
+                if node.level:
+                    parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    module = ".".join([*parts, *([module] if module else [])])
+                names = [module, *(f"{module}.{a.name}" for a in node.names)]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            for imported in names:
+                for candidate in (imported, f"tools.bench.{imported}", f"{package}.{imported}"):
+                    if candidate in modules:
+                        found.add(candidate)
+                        break
+        graph[name] = found - {name}
+    return graph
+
+
+def test_the_harness_has_no_import_cycle():
+    graph = _harness_graph()
+    assert "tools.bench.grid.results" in graph["tools.bench.grid.report"]  # edges are seen
+    assert "tools.bench.roles" in graph["tools.bench.fixed.rounds"]  # by-path ones too
+    assert _cycles(graph) == [], "break the cycle (an import moves)"
+
+
 def test_the_cycle_check_finds_a_cycle():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [("a", "b", "c")]
     assert _relative_edges("zmqsync._publisher")  # it does import its siblings

@@ -15,7 +15,7 @@ SCENARIOS: dict[str, dict[str, tuple[str, str, str]]] = {
         "the trainer loop: steps/s and lag, publishing every step, 5 ways")},
     "fixed": {
         "rounds": ("fixed.rounds", "main",
-            "a 4 KB publish to N plain workers next to raw ZeroMQ (--sides: checkouts)"),
+            "a 4 KB publish to N plain workers next to raw ZeroMQ"),
         "cpu": ("fixed.cpu", "main", "where a publish's CPU goes, per process and thread"),
         "cold-calls": ("fixed.cold_calls", "main",
             "what one call per message costs a worker with cold caches"),
@@ -31,7 +31,7 @@ SCENARIOS: dict[str, dict[str, tuple[str, str, str]]] = {
     },
     "joins": {
         "cost": ("joins.cost", "main",
-            "honest joins undisturbed and under a storm (--sides: checkouts)"),
+            "honest joins undisturbed and under a storm"),
         "storm": ("joins.storm", "main", "joins and a sniffer's start under connect storms"),
         "admission": ("joins.admission", "main",
             "admission figures: storm, resume, saturated, fenced, member-storm"),
@@ -45,7 +45,8 @@ SCENARIOS: dict[str, dict[str, tuple[str, str, str]]] = {
     "staleness": {"": ("staleness", "main", "max_lag 0/1/2/none: steps/s and lag")},
     "metrics": {"": ("metrics_cost", "main", "what a scraper every 100 ms costs a publish")},
     "storms": {"": ("storms", "main", "a connection or HELLO storm on a bus of this host")},
-    "sides": {"": ("sides", "main", "the trainer loop of checkouts, side by side")},
+    "sides": {"": ("sides", "main",
+        "any scenario on two checkouts or environments, rounds alternating")},
 }  # fmt: skip
 
 
@@ -70,8 +71,6 @@ def resolve(argv: list[str]) -> tuple[Callable[[list[str]], int], list[str]]:
         question = next(iter(questions))
     module, function, _ = questions[question]
     sys.argv[0] = f"python -m tools.bench {argv[0]} {question}".strip()  # argparse's prog
-    if module in ("fixed.rounds", "joins.cost"):  # their sides' processes run them by path
-        sys.path.insert(0, __file__.rsplit("/", 1)[0])
     main: Callable[[list[str]], int] = getattr(
         importlib.import_module(f"{__package__}.{module}"), function
     )

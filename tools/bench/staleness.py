@@ -33,6 +33,9 @@ import torch
 
 import zmqsync
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # its workers run it by path
+from roles import subscriber  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[2]
 BOUNDS: tuple[int | None, ...] = (0, 1, 2, None)
 # worker id -> seconds per rollout: the slow one is 8x the fast one
@@ -57,7 +60,7 @@ def worker(name: str, worker_id: str, step: float, records: bool) -> int:
         print(json.dumps({"event": "applied", "version": version, "t": time.monotonic()}))
         sys.stdout.flush()
 
-    with zmqsync.Subscriber(
+    with subscriber(
         name=name,
         worker_id=worker_id,
         apply="manual",

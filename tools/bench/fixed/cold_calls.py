@@ -29,53 +29,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import zmq
 
-VARIANTS = ("none", "python", "swap", "add", "add-t1")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from echo import EXTRAS as VARIANTS  # noqa: E402
 
-_WORKER = r"""
-import os, sys, threading, time
-import torch, zmq
-variant, events, acks = sys.argv[1:4]
-if variant == "add-t1":
-    torch.set_num_threads(1)
-small = torch.zeros(64)
-a, b = torch.zeros(1024).untyped_storage(), torch.zeros(1024).untyped_storage()
-
-def extra():
-    if variant == "python":
-        x = 0
-        for i in range(300):
-            x += i
-    elif variant == "swap":
-        a._swap_data_ptr_(b)
-    elif variant.startswith("add"):
-        small.add_(1)
-
-def echo():
-    ctx = zmq.Context()
-    sub, push = ctx.socket(zmq.SUB), ctx.socket(zmq.PUSH)
-    sub.rcvtimeo = 1000
-    sub.subscribe(b"")
-    sub.connect(events)
-    push.connect(acks)
-    while os.getppid() != 1:
-        try:
-            msg = sub.recv()
-        except zmq.Again:
-            continue
-        if msg == b"quit":
-            break
-        extra()
-        push.send(msg)
-    ctx.destroy(linger=0)
-    os._exit(0)
-
-threading.Thread(target=echo, daemon=True).start()
-while True:
-    time.sleep(1)
-"""
+ECHO = Path(__file__).resolve().with_name("echo.py")  # the workers, with --extra
 
 
 def _cpu(pid: int) -> float:
@@ -98,7 +59,8 @@ def _run(
     pull.bind(acks)
     pull.rcvtimeo = 30_000
     procs = [
-        subprocess.Popen([sys.executable, "-c", _WORKER, variant, events, acks]) for _ in range(n)
+        subprocess.Popen([sys.executable, str(ECHO), events, acks, "--extra", variant, "--thread"])
+        for _ in range(n)
     ]
     try:
         deadline = time.monotonic() + 300

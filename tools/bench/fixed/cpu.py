@@ -2,7 +2,7 @@
 
 On 2 cores every round trip is CPU-bound: a publish takes about (CPU every process
 spends on it) / 2. This harness starts N subprocess workers, each a real `Subscriber`
-plus a raw SUB->PUSH echo on its main thread, then runs a loop of publishes and a loop
+plus a raw SUB->PUSH echo on its main thread (echo.py), then runs a loop of publishes and a loop
 of raw round trips (PUB -> N SUB, N PUSH -> PULL, an 8-byte payload), and reads the CPU
 each loop cost from ``/proc/PID/task/TID/stat``: the publishing thread, the publisher's
 agent thread, and every worker process (all its threads). Phases alternate
@@ -26,34 +26,14 @@ import sys
 import tempfile
 import threading
 import time
+from pathlib import Path
 
 import torch
 import zmq
 
 import zmqsync
 
-_WORKER = r"""
-import sys, torch, zmq, zmqsync
-mode, name, raw_events, raw_acks, kind, flat = sys.argv[1:7]
-if kind == "many":
-    from tools.bench.grid.worker import make_model
-    model = make_model("many", 0, fill=False)[0]
-else:
-    model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(4)])
-ctx = zmq.Context()
-sub = ctx.socket(zmq.SUB)
-sub.connect(raw_events)
-sub.subscribe(b"")
-push = ctx.socket(zmq.PUSH)
-push.connect(raw_acks)
-with zmqsync.Subscriber(name=name, model=model, mode=mode, flat=flat == "flat"):
-    while True:
-        msg = sub.recv()
-        if msg == b"quit":
-            break
-        push.send(msg)
-ctx.destroy(linger=0)
-"""
+ECHO = Path(__file__).resolve().with_name("echo.py")  # the workers: a Subscriber + echo
 
 
 def _model(kind: str) -> torch.nn.Module:
@@ -100,21 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         writes = zmqsync.Copy(flat=args.flat)
         with zmqsync.Publisher(_model(args.model), name=name, timeout=30, writes=writes) as pub:
-            procs = [
-                subprocess.Popen(
-                    [
-                        sys.executable,
-                        "-c",
-                        _WORKER,
-                        args.mode,
-                        name,
-                        *_raw_endpoints(rundir),
-                        args.model,
-                        "flat" if args.flat else "blocks",
-                    ]
-                )
-                for _ in range(n)
-            ]
+            echo = [sys.executable, str(ECHO), *_raw_endpoints(rundir), "--subscribe", name]
+            echo += ["--mode", args.mode, "--model", args.model, *(["--flat"] * args.flat)]
+            procs = [subprocess.Popen(echo) for _ in range(n)]
             if not pub.wait_for_workers(n, timeout=120):
                 raise SystemExit("workers did not join in 120 s")
             _raw_connected(raw_pub, raw_pull, n)

@@ -5,23 +5,23 @@ one round each, for every round (their order rotates), so a load that drifts on 
 shared machine hits every side alike. Sides:
 
 ``raw``
-    a plain pyzmq trainer: one 8-byte message PUB -> N SUB, each worker (a plain pyzmq
-    process, no torch) answers PUSH -> PULL; timed until all N answers are in.
-``zmqsync[/IDLE][=TREE]``
+    a plain pyzmq trainer: one 8-byte message PUB -> N SUB, each worker (echo.py: a plain
+    pyzmq process, no torch) answers PUSH -> PULL; timed until all N answers are in.
+``zmqsync[/IDLE]``
     a trainer with ``Publisher`` over four ``nn.Linear(16, 16)`` (4 KB, 8 tensors);
     N worker processes that use only the public API::
 
-        sub = zmqsync.Subscriber(name=..., model=model, mode="alias").start()
+        sub = zmqsync.Subscriber(name=..., model=model, reads=zmqsync.Aliases()).start()
 
     with background apply and an idle main thread (``IDLE``, default ``--idle``); timed:
-    ``publish()``, from the call until every worker acked. ``TREE`` is a checkout whose
-    ``zmqsync`` the trainer and its workers import (default: this one), so that two
-    versions of the library can be measured in one run.
-``harness[=TREE]``
-    the bench harness's own setup (``zmqsync._bench``'s pool workers, which answer its
-    raw round trip on a thread of the same process, and its Fanout), as ``zmqsync
-    bench`` measured it before it measured plain workers; timed: the publish, and the
-    harness's own raw round trip right before it (reported as ``harness-raw``).
+    ``publish()``, from the call until every worker acked.
+``harness``
+    the grid's own setup (its pool workers, which answer its raw round trip on a thread
+    of the same process, and its Fanout); timed: the publish, and the grid's own raw
+    round trip right before it (reported as ``harness-raw``).
+
+Two checkouts are compared by the runner, which alternates whole runs of this:
+``python -m tools.bench sides --base REF --head REF fixed``.
 
 The main thread of a plain worker (``--idle``): ``sleep:S`` sleeps S seconds in a loop,
 ``next`` waits for the next version (``wait_for_version(version + 1)``), ``far`` waits
@@ -29,7 +29,7 @@ for a version that never comes (``wait_for_version`` with a 1 s timeout, in a lo
 ``stop`` waits in ``wait_for_stop``.
 
     .venv/bin/python -m tools.bench fixed --workers 8 64
-    .venv/bin/python -m tools.bench fixed --workers 8 --sides raw zmqsync=/tmp/before zmqsync
+    .venv/bin/python -m tools.bench fixed --workers 8 --sides raw zmqsync zmqsync/sleep:1
 
 Prints p50 and p99 per side in ms, each over the raw side's, and the load average at
 the start and the end; ``--json PATH`` writes every sample.
@@ -53,10 +53,11 @@ from typing import IO, Any
 
 HERE = Path(__file__).resolve()
 ROOT = HERE.parents[3]
+ECHO = HERE.with_name("echo.py")
 sys.path.insert(0, str(HERE.parents[1]))  # tools/bench: a side's process runs this by path
-from sides import die_with_parent as _die_with_parent  # noqa: E402
-from sides import parse_side, rotated, tree_env  # noqa: E402
-from sides import say as _say  # noqa: E402
+from roles import die_with_parent as _die_with_parent  # noqa: E402
+from roles import rotated, subscriber  # noqa: E402
+from roles import say as _say  # noqa: E402
 
 READY_S = 1200.0  # N workers importing torch on a loaded 2-core machine take a while
 ROUND_S = 60.0  # one round, on a deadline
@@ -64,9 +65,9 @@ ROUND_S = 60.0  # one round, on a deadline
 # --- helpers shared by every role ------------------------------------------------------
 
 
-def _spawn(args: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
+def _spawn(args: list[str], env: dict[str, str], script: Path = HERE) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
-        [sys.executable, str(HERE), *args],
+        [sys.executable, str(script), *args],
         stdin=subprocess.DEVNULL,
         env=env,
         cwd="/tmp",  # so that PYTHONPATH decides which zmqsync is imported
@@ -81,6 +82,16 @@ def _reap(procs: list[subprocess.Popen[bytes]], timeout: float = 10.0) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(5)
+
+
+def _joined(pub: Any, n: int, procs: list[subprocess.Popen[Any]]) -> None:
+    """Wait until `n` workers joined `pub`; a worker that exited ends the wait at once."""
+    deadline = time.monotonic() + READY_S
+    while not pub.wait_for_workers(n, timeout=1.0):
+        dead = [p.returncode for p in procs if p.poll() is not None]
+        if dead or time.monotonic() > deadline:
+            why = f"{len(dead)} exited (rc {dead[0]})" if dead else f"not in {READY_S:.0f} s"
+            raise SystemExit(f"only {len(pub.workers)} of {n} workers joined: {why}")
 
 
 def _cpu(pid: int | str) -> dict[str, float]:
@@ -123,32 +134,6 @@ def _serve(round_once: Any, workers: list[int]) -> None:
 # --- raw side --------------------------------------------------------------------------
 
 
-def raw_worker(events: str, acks: str) -> int:
-    """A plain pyzmq process: every message on SUB goes back on PUSH."""
-    import zmq
-
-    _die_with_parent()
-    ctx = zmq.Context()
-    sub, push = ctx.socket(zmq.SUB), ctx.socket(zmq.PUSH)
-    sub.linger = push.linger = 0
-    sub.subscribe(b"")
-    sub.rcvtimeo = 1000  # look at the parent once a second
-    sub.connect(events)
-    push.connect(acks)
-    while True:
-        try:
-            msg = sub.recv()
-        except zmq.Again:
-            if os.getppid() == 1:
-                break
-            continue
-        if msg == b"quit":
-            break
-        push.send(msg)
-    ctx.destroy(linger=0)
-    return 0
-
-
 def raw_trainer(n: int, runtime: str) -> int:
     import zmq
 
@@ -160,7 +145,7 @@ def raw_trainer(n: int, runtime: str) -> int:
     events, acks = f"ipc://{runtime}/raw-{tag}.pub", f"ipc://{runtime}/raw-{tag}.pull"
     pub.bind(events)
     pull.bind(acks)
-    procs = [_spawn(["_raw_worker", events, acks], dict(os.environ)) for _ in range(n)]
+    procs = [_spawn([events, acks], dict(os.environ), ECHO) for _ in range(n)]
     seq = [0]
 
     def gather(want: bytes | None, deadline: float) -> int:
@@ -181,8 +166,8 @@ def raw_trainer(n: int, runtime: str) -> int:
         pub.send(ping)
         if gather(ping, time.monotonic() + 0.2) == n:
             break
-        if time.monotonic() > deadline:
-            raise SystemExit("raw workers did not all subscribe in time")
+        if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+            raise SystemExit("raw workers did not all subscribe in time (or one exited)")
         while pull.poll(0):
             pull.recv()
     _say(event="ready")
@@ -216,10 +201,8 @@ def _linear4() -> Any:
 
 def plain_worker(name: str, mode: str, idle: str) -> int:
     """What a user writes: a Subscriber with background apply, the main thread idle."""
-    import zmqsync
-
     _die_with_parent()
-    sub = zmqsync.Subscriber(name=name, model=_linear4(), mode=mode, timeout=READY_S).start()
+    sub = subscriber(model=_linear4(), name=name, mode=mode, timeout=READY_S).start()
     try:
         if idle.startswith("sleep"):
             period = float(idle.partition(":")[2] or 1.0)
@@ -250,8 +233,7 @@ def zmqsync_trainer(n: int, mode: str, idle: str) -> int:
     pub = zmqsync.Publisher(_linear4(), name=name, timeout=ROUND_S).start()
     procs = [_spawn(["_worker", name, mode, idle], dict(os.environ)) for _ in range(n)]
     try:
-        if not pub.wait_for_workers(n, timeout=READY_S):
-            raise SystemExit(f"only {len(pub.workers)} of {n} workers joined in time")
+        _joined(pub, n, procs)
         _say(event="ready", zmqsync=zmqsync.__file__)
 
         def round_once() -> dict[str, Any]:
@@ -295,8 +277,7 @@ def harness_trainer(n: int, mode: str) -> int:
         fan.connected(n, ROUND_S)
         join = {"address": pub.address, "name": name, "mode": mode, "timeout": ROUND_S}
         pool.call(n, {"cmd": "join", **join, "shm_dir": os.environ["ZMQSYNC_SHM_DIR"]})
-        if not pub.wait_for_workers(n, timeout=READY_S):
-            raise SystemExit(f"only {len(pub.workers)} of {n} harness workers joined")
+        _joined(pub, n, [w.proc for w in pool.workers])
         _say(event="ready", zmqsync=zmqsync.__file__)
 
         def round_once() -> dict[str, Any]:
@@ -380,10 +361,8 @@ def _p(values: list[float], q: float) -> float:
 
 
 def _side(spec: str, n: int, args: argparse.Namespace, env: dict[str, str]) -> Side:
-    head, tree = parse_side(spec)
-    kind, _, idle = head.partition("/")
-    side_env = tree_env(tree, env) if tree else dict(env)
-    label = spec
+    kind, _, idle = spec.partition("/")
+    side_env, label = dict(env), spec
     if kind == "raw":
         return Side("raw", ["_raw_trainer", str(n), env["ZMQSYNC_RUNTIME_DIR"]], side_env)
     if kind == "zmqsync":
@@ -454,7 +433,6 @@ def report(result: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     roles = {
-        "_raw_worker": lambda a: raw_worker(a[0], a[1]),
         "_raw_trainer": lambda a: raw_trainer(int(a[0]), a[1]),
         "_worker": lambda a: plain_worker(a[0], a[1], a[2]),
         "_trainer": lambda a: zmqsync_trainer(int(a[0]), a[1], a[2]),
@@ -473,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
         "--sides",
         nargs="+",
         default=["raw", "zmqsync"],
-        help="raw, zmqsync[/IDLE][=TREE], harness[=TREE]",
+        help="raw, zmqsync[/IDLE], harness",
     )
     parser.add_argument("--json", type=Path, help="write every sample here")
     args = parser.parse_args(argv)

@@ -93,13 +93,12 @@ def measure_live(
 
 def _receiver(name: str, timeout: float, ready: Any, stop: Any) -> None:
     """One alias worker of the live bus: joins, then acks every version until told."""
-    from zmqsync._subscriber import Subscriber
-
+    from ..roles import subscriber
     from .worker import _die_with_parent
 
     _die_with_parent()
     try:
-        sub = Subscriber(name=name, mode="alias", timeout=timeout).start()
+        sub = subscriber(name=name, mode="alias", timeout=timeout).start()
     except Exception as exc:  # reported to the sender, which ends the point
         ready.put(f"{type(exc).__name__}: {exc}")
         return

@@ -8,6 +8,9 @@ documentation can be regenerated without measuring again. rich is imported insid
 
 from __future__ import annotations
 
+import csv
+import json
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .targets import evaluate_targets
@@ -15,6 +18,33 @@ from .units import mib, ms, num, pct, times
 
 if TYPE_CHECKING:
     from .results import Results, Row
+
+# --- files --------------------------------------------------------------------------
+
+CSV_FIELDS = [
+    "n", "size", "label", "mode", "nbytes", "tensors", "status", "iters",
+    "zmqsync_p50", "zmqsync_p99", "zmqsync_lib_p50", "raw_p50", "raw_p99",
+    "memcpy1_p50", "memcpyd_p50", "memcpy_floor", "copyn_p50",
+    "x_raw", "x_floor", "gbps",
+    "torchrl_p50", "torchrl_p99", "torchrl_status", "x_torchrl",
+    "torchrl_own_p50", "torchrl_own_p99", "torchrl_own_status", "x_torchrl_own",
+    "naive_p50", "naive_p99", "naive_status", "x_naive",
+    "join_p50", "pss_delta", "seg_pss", "extra", "extra_frac", "segment_bytes", "segment_frac",
+    "seconds", "naive_seconds",
+]  # fmt: skip
+
+
+def write_results(res: Results, out: Path) -> None:
+    """results.json (the targets judged, as the tables show them) and results.csv under `out`."""
+    out.mkdir(parents=True, exist_ok=True)
+    data = {**res.to_json(), "targets": evaluate_targets(res)}
+    (out / "results.json").write_text(json.dumps(data, indent=1, default=str))
+    with open(out / "results.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
+        writer.writeheader()
+        for r in res.rows:
+            writer.writerow(r.flat())
+
 
 # --- rich ---------------------------------------------------------------------------
 

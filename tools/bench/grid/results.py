@@ -8,7 +8,6 @@ samples and targets included) and results.csv (one flat line per row).
 
 from __future__ import annotations
 
-import csv
 import dataclasses
 import json
 import math
@@ -20,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 from .config import SLOTS
-from .targets import evaluate_targets
 
 # --- statistics ---------------------------------------------------------------------
 
@@ -147,7 +145,6 @@ class Results:
             "rows": [{**r.flat(), "samples": r.samples} for r in self.rows],
             "late_join": self.late_join,
             "torchrl_runs": self.torchrl_runs,
-            "targets": evaluate_targets(self),
         }
 
     @classmethod
@@ -165,31 +162,7 @@ class Results:
         return res
 
 
-# --- files --------------------------------------------------------------------------
-
-CSV_FIELDS = [
-    "n", "size", "label", "mode", "nbytes", "tensors", "status", "iters",
-    "zmqsync_p50", "zmqsync_p99", "zmqsync_lib_p50", "raw_p50", "raw_p99",
-    "memcpy1_p50", "memcpyd_p50", "memcpy_floor", "copyn_p50",
-    "x_raw", "x_floor", "gbps",
-    "torchrl_p50", "torchrl_p99", "torchrl_status", "x_torchrl",
-    "torchrl_own_p50", "torchrl_own_p99", "torchrl_own_status", "x_torchrl_own",
-    "naive_p50", "naive_p99", "naive_status", "x_naive",
-    "join_p50", "pss_delta", "seg_pss", "extra", "extra_frac", "segment_bytes", "segment_frac",
-    "seconds", "naive_seconds",
-]  # fmt: skip
-
-
-def write_results(res: Results, out: Path) -> None:
-    """results.json and results.csv under `out` (created if needed)."""
-    out.mkdir(parents=True, exist_ok=True)
-    data = res.to_json()
-    (out / "results.json").write_text(json.dumps(data, indent=1, default=str))
-    with open(out / "results.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
-        writer.writeheader()
-        for r in res.rows:
-            writer.writerow(r.flat())
+# --- files (written by report.write_results) ---------------------------------------
 
 
 def load_results(path: Path) -> Results:

@@ -30,7 +30,8 @@ from .fanout import Echoes, Fanout
 from .machine import available_memory, describe_machine, meminfo, torchrl_available
 from .plan import Stopwatch, iterations, padded_bytes, skip_reason, total_steps
 from .pool import Pool, Worker
-from .results import Results, Row, p50, p99, write_results
+from .report import write_results
+from .results import Results, Row, p50, p99
 from .torchrl_baseline import TorchrlBaseline
 from .units import GiB, gib, ms, times
 

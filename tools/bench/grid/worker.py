@@ -387,11 +387,11 @@ class _PoolWorker:
         """A `zmqsync.Subscriber` as a user's worker has one: the public API, background
         apply; this process's main thread then waits for the next command (blocked in a
         read, as an idle main thread in ``time.sleep`` or ``wait_for_stop`` would be)."""
-        from zmqsync import Subscriber
+        from tools.bench.roles import subscriber
 
         self.cmd_leave({})
         t0 = time.perf_counter()
-        sub = Subscriber(
+        sub = subscriber(
             cmd["address"],
             self.model,
             name=cmd["name"],
@@ -404,7 +404,7 @@ class _PoolWorker:
         sub.start()
         seconds = time.perf_counter() - t0
         self.sub = sub
-        if sub.flat and cmd["mode"] == "copy" and self.model is not None:
+        if cmd.get("flat") and cmd["mode"] == "copy" and self.model is not None:
             # the model's tensors moved into the subscriber's block: the floor copies into
             # the model's bytes there, not into the buffer they left (which, touched, held
             # a second model per worker: 8 copy workers of the LLM-shaped model ran the

@@ -47,6 +47,9 @@ import torch
 
 import zmqsync
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # its busy worker runs it by path
+from roles import subscriber  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[3]
 MAX_PROCESSES = 64
 MAX_SECONDS = 300.0
@@ -130,7 +133,7 @@ def _joins(name: str, count: int, prefix: str) -> tuple[list[float], list[str]]:
     for i in range(count):
         t0 = time.monotonic()
         try:
-            with zmqsync.Subscriber(name=name, worker_id=f"{prefix}-{i}", timeout=10.0):
+            with subscriber(name=name, worker_id=f"{prefix}-{i}", timeout=10.0):
                 times.append(time.monotonic() - t0)
         except zmqsync.ZmqSyncError as exc:
             failures.append(f"{time.monotonic() - t0:.1f} s: {exc}"[:200])
@@ -188,7 +191,7 @@ def busy_worker(args: argparse.Namespace) -> dict[str, object]:
     """A worker whose main thread computes in Python until SIGTERM (for `resume`)."""
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    with zmqsync.Subscriber(name=args.name, worker_id=args.worker_id, mode="alias", timeout=120):
+    with subscriber(name=args.name, worker_id=args.worker_id, mode="alias", timeout=120):
         print(json.dumps({"event": "joined"}), flush=True)
         total = 0
         while not stop.is_set():

@@ -1,14 +1,12 @@
 """How long an honest worker takes to join a bus, undisturbed and while a peer storms it.
 
-Each *side* is a trainer process (a ``Publisher`` over four ``nn.Linear(16, 16)``) with
-its own N worker processes that have imported torch and zmqsync and wait for a ``join``
-line. A round asks every worker of a side to ``Subscriber(...).start()`` at once, then
-publishes one version to see that every joined worker also hears the bus (a worker
-that joined but never gets a RECEIVE is "deaf"), then every worker closes. The sides
-take turns, one round each, their order rotating, so a load that drifts on a shared
-machine hits every side alike. ``SIDE`` is ``LABEL[=TREE]``: ``TREE`` is a checkout
-whose ``zmqsync`` that side's trainer, workers and storm import (default: this one),
-so that two versions of the library are measured in one run.
+A bus is a trainer process (a ``Publisher`` over four ``nn.Linear(16, 16)``) with its
+own N worker processes that have imported torch and zmqsync and wait for a ``join``
+line. A round asks every worker to ``Subscriber(...).start()`` at once, then publishes
+one version to see that every joined worker also hears the bus (a worker that joined
+but never gets a RECEIVE is "deaf"), then every worker closes. Two checkouts side by
+side are the runner's (``python -m tools.bench sides --base REF --head REF joins cost``):
+it alternates whole runs of this.
 
 A storm runs in its own process, bounded in time, against the side's bus on this host
 only (ipc:// or 127.0.0.1), from a little before the joins until the round's publish:
@@ -29,10 +27,9 @@ only (ipc:// or 127.0.0.1), from a little before the joins until the round's pub
 as the bench runs it (a flat publisher; copy workers keep one block).
 
     .venv/bin/python -m tools.bench joins cost --workers 4 --rounds 5 --storms none events hello
-    .venv/bin/python -m tools.bench joins cost --sides before=/tmp/before after --storms none
     .venv/bin/python -m tools.bench joins cost --model many --mode alias --flat --workers 4
 
-Prints per side and storm: joins in time, the join's p50 and max in seconds, deaf
+Prints per storm: joins in time, the join's p50 and max in seconds, deaf
 workers, and the round's publish; ``--json PATH`` writes every sample.
 """
 
@@ -56,10 +53,10 @@ from typing import IO, Any
 
 HERE = Path(__file__).resolve()
 ROOT = HERE.parents[3]
-sys.path.insert(0, str(HERE.parents[1]))  # tools/bench: a side's process runs this by path
-from sides import die_with_parent as _die_with_parent  # noqa: E402
-from sides import parse_side, rotated  # noqa: E402
-from sides import say as _say  # noqa: E402
+sys.path.insert(0, str(HERE.parents[1]))  # tools/bench: its role processes run this by path
+from roles import die_with_parent as _die_with_parent  # noqa: E402
+from roles import say as _say  # noqa: E402
+from roles import subscriber  # noqa: E402
 
 READY_S = 600.0  # N workers importing torch on a loaded 2-core machine take a while
 JOIN_S = 30.0  # a worker's start() timeout: past it the join counts as failed
@@ -132,8 +129,6 @@ def trainer(name: str, storm: str, kind: str, flat: bool) -> int:
 def worker(address: str, name: str, kind: str, mode: str, flat: bool) -> int:
     """Imports everything first; then one Subscriber per ``join`` line, closed on
     ``leave``. Reports how long start() took (or why it failed)."""
-    import zmqsync
-
     _die_with_parent()
     model = _model(kind)
     _say(event="ready")
@@ -143,9 +138,7 @@ def worker(address: str, name: str, kind: str, mode: str, flat: bool) -> int:
         if cmd == "join":
             t0 = time.perf_counter()
             try:
-                sub = zmqsync.Subscriber(
-                    address, name=name, model=model, mode=mode, flat=flat, timeout=JOIN_S
-                )
+                sub = subscriber(address, model, name=name, mode=mode, flat=flat, timeout=JOIN_S)
                 sub.start()
                 _say(joined=time.perf_counter() - t0)
             except Exception as exc:  # a failed join is a sample too
@@ -167,9 +160,7 @@ def _storm_hello(address: str, name: str, until: float) -> int:
     """Hold `HELD_ID` with a real worker, then the HELLO storm of storms.py for that id."""
     from storms import MAX_CONNECTIONS, MAX_HELLOS, MAX_WINDOW, hello_storm
 
-    import zmqsync
-
-    held = zmqsync.Subscriber(address, name=name, model=_model(), worker_id=HELD_ID).start()
+    held = subscriber(address, _model(), name=name, worker_id=HELD_ID).start()
     try:
         report = hello_storm(
             address,
@@ -262,18 +253,18 @@ class _Proc:
             self.proc.wait(5)
 
 
-class Side:
+class Bus:
+    """A trainer process and its N workers, driven one round at a time."""
+
     def __init__(
         self,
-        label: str,
-        tree: Path,
         storm: str,
         n: int,
         env: dict[str, str],
         model: tuple[str, str, bool] = ("mlp", "copy", False),
     ) -> None:
-        self.label, self.storm = label, storm
-        self.env = dict(env, PYTHONPATH=str(tree))
+        self.storm = storm
+        self.env = dict(env, PYTHONPATH=str(ROOT))
         self.name = f"jc{uuid.uuid4().hex[:8]}"
         kind, mode, flat = model
         self.trainer = _Proc(["_trainer", self.name, storm, kind, str(int(flat))], self.env)
@@ -375,7 +366,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--burn", type=int, default=2 * (os.cpu_count() or 1))
     parser.add_argument("--storm-seconds", type=float, default=JOIN_S + 20.0)
-    parser.add_argument("--sides", nargs="+", default=["zmqsync"], help="LABEL[=TREE]")
     parser.add_argument("--model", choices=("mlp", "many"), default="mlp")
     parser.add_argument("--mode", choices=("copy", "alias"), default="copy")
     parser.add_argument("--flat", action="store_true", help="a flat publisher and workers")
@@ -387,22 +377,17 @@ def main(argv: list[str] | None = None) -> int:
     runtime = tempfile.mkdtemp(prefix="zjc", dir="/tmp")
     shm = tempfile.mkdtemp(prefix="zmqsync-jc-", dir="/dev/shm")
     env = dict(os.environ, ZMQSYNC_RUNTIME_DIR=runtime, ZMQSYNC_SHM_DIR=shm)
-    results: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    results: dict[str, list[dict[str, Any]]] = {}
     try:
         for storm_kind in args.storms:
-            sides: list[Side] = []
+            bus = Bus(storm_kind, args.workers, env, model)
             try:
-                for spec in args.sides:
-                    label, tree = parse_side(spec)
-                    sides.append(Side(label, tree or ROOT, storm_kind, args.workers, env, model))
-                for r in range(args.rounds):
-                    for side in rotated(sides, r):
-                        sample = side.round(args.storm_seconds, args.burn)
-                        results.setdefault(storm_kind, {}).setdefault(side.label, []).append(sample)
+                for _ in range(args.rounds):
+                    sample = bus.round(args.storm_seconds, args.burn)
+                    results.setdefault(storm_kind, []).append(sample)
             finally:
-                for side in sides:
-                    side.close()
-            report(storm_kind, results.get(storm_kind, {}), args.workers)
+                bus.close()
+            report(storm_kind, results.get(storm_kind, []), args.workers)
     finally:
         shutil.rmtree(runtime, ignore_errors=True)
         shutil.rmtree(shm, ignore_errors=True)
@@ -412,30 +397,26 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def report(storm_kind: str, by_side: dict[str, list[dict[str, Any]]], n: int) -> None:
+def report(storm_kind: str, samples: list[dict[str, Any]], n: int) -> None:
     print(f"\nstorm: {storm_kind}; load now {os.getloadavg()[0]:.1f}")
+    print(f"  {'joined':>9} {'p50 s':>8} {'max s':>8} {'deaf':>5} {'publish p50 s':>14}")
+    joined = [t for s in samples for t in s["joined"]]
+    deaf = sum(s["deaf"] for s in samples)
+    pub = _p([s["publish"] for s in samples], 0.5)
     print(
-        f"  {'side':<12} {'joined':>9} {'p50 s':>8} {'max s':>8} {'deaf':>5} {'publish p50 s':>14}"
+        f"  {len(joined):>4}/{n * len(samples):<4} {_p(joined, 0.5):8.3f} "
+        f"{max(joined, default=float('nan')):8.3f} {deaf:>5} {pub:14.3f}"
     )
-    for label, samples in by_side.items():
-        joined = [t for s in samples for t in s["joined"]]
-        deaf = sum(s["deaf"] for s in samples)
-        pub = _p([s["publish"] for s in samples], 0.5)
-        total = n * len(samples)
-        print(
-            f"  {label:<12} {len(joined):>4}/{total:<4} {_p(joined, 0.5):8.3f} "
-            f"{max(joined, default=float('nan')):8.3f} {deaf:>5} {pub:14.3f}"
-        )
-        for key in ("sniff_quiet", "sniff_storm"):
-            got = [s[key] for s in samples if key in s]
-            if got:
-                seen = [t for t in got if t is not None]
-                print(
-                    f"    {key}: {len(seen)}/{len(got)} saw a message, p50 "
-                    f"{_p(seen, 0.5):.3f} s, max {max(seen, default=float('nan')):.3f} s"
-                )
-        for reason in sorted({f for s in samples for f in s["failed"]})[:3]:
-            print(f"    failed: {reason}")
+    for key in ("sniff_quiet", "sniff_storm"):
+        got = [s[key] for s in samples if key in s]
+        if got:
+            seen = [t for t in got if t is not None]
+            print(
+                f"    {key}: {len(seen)}/{len(got)} saw a message, p50 "
+                f"{_p(seen, 0.5):.3f} s, max {max(seen, default=float('nan')):.3f} s"
+            )
+    for reason in sorted({f for s in samples for f in s["failed"]})[:3]:
+        print(f"    failed: {reason}")
 
 
 if __name__ == "__main__":

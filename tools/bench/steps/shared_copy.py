@@ -47,17 +47,18 @@ from zmqsync import _copy
 
 # Each worker reads lines on stdin: "shared" / "single" sets how its next plans copy.
 _WORKER = r"""
-import sys, zmqsync
+import sys
 from zmqsync import _copy
 from tools.bench.grid.worker import make_model
+from tools.bench.roles import subscriber
 name, nbytes, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 default = _copy.COPY_THREADS
 model = make_model("mlp", nbytes, fill=False)[0]
-with zmqsync.Subscriber(name=name, model=model, mode=mode) as sub:
+with subscriber(name=name, model=model, mode=mode) as sub:
     for line in sys.stdin:
         _copy.COPY_THREADS = default if line.strip() == "shared" else 1
-        if sub._target is not None:  # the next version plans its copies again
-            sub._target.forget_views()
+        if sub._reader.target is not None:  # the next version plans its copies again
+            sub._reader.target.forget_views()
         print("ok", flush=True)
 """
 

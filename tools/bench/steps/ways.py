@@ -56,12 +56,13 @@ STEPS = (
 )
 
 _WORKER = r"""
-import sys, zmqsync
+import sys
 from tools.bench.grid.worker import make_model
+from tools.bench.roles import subscriber
 name, shm, kind, nbytes = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 model = make_model(kind, nbytes, fill=False)[0]
 flat = kind == "many"
-with zmqsync.Subscriber(name=name, model=model, mode="copy", flat=flat, shm_dir=shm):
+with subscriber(name=name, model=model, mode="copy", flat=flat, shm_dir=shm):
     sys.stdin.read()
 """
 
