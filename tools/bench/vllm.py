@@ -44,6 +44,7 @@ PROMPTS = [f"the quick brown fox {i} jumps over the lazy dog" for i in range(8)]
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = _parser().parse_args(argv)
     if args.engine:
         return engine_side(args)
@@ -59,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
                         *sizes], env=venv.env(), cwd=ROOT, check=True, timeout=900)  # fmt: skip
         out = Path(tmp) / "result.json"
         cmd = [str(venv.python), "-m", "tools.bench.vllm", "--engine", "--model", str(model),
-               "--out", str(out), *(argv or sys.argv[1:])]  # fmt: skip
+               "--out", str(out), *argv]  # fmt: skip
         env = venv.env(VLLM_ALLOW_INSECURE_SERIALIZATION="1")  # the bench's own callables
         subprocess.run(cmd, env=env, cwd=ROOT, check=True, timeout=3600)
         result = json.loads(out.read_text())
