@@ -231,3 +231,45 @@ def test_every_scenario_resolves_to_a_main():
         for question in questions:
             main, rest = resolve([scenario, *([question] if question else []), "--x"])
             assert callable(main) and rest == ["--x"], (scenario, question)
+
+
+def test_the_sides_runner_alternates_two_sides_and_compares_their_figures(tmp_path, capsys):
+    # `python -m tools.bench sides`: two trees and a command per side, rounds A B / B A, the
+    # figures from each run's JSON. The commands here only write JSON, so nothing is
+    # measured: what is checked is the order, the per-side command and the comparison.
+    from tools.bench import sides
+
+    log, script = tmp_path / "order", tmp_path / "side.py"
+    script.write_text(
+        "import json, sys\n"
+        "out, log, side, publish = sys.argv[1:]\n"
+        "open(log, 'a').write(side)\n"
+        "run = {'joined': [0.01, 0.03], 'failed': [], 'publish': float(publish)}\n"
+        "json.dump({'results': {'none': [run]}}, open(out + '/run.json', 'w'))\n"
+    )
+    write = f"{{python}} {script} {{out}} {log} "
+    record = tmp_path / "sides.json"
+    rc = sides.main([
+        "--base", str(ROOT), "--head", str(ROOT), "--rounds", "3", "--json", str(record),
+        "--base-cmd", write + "A 0.002", "--head-cmd", write + "B 0.004",
+        "joins", "cost", "--storms", "none",
+    ])  # fmt: skip
+    assert rc == 0, capsys.readouterr()
+    assert log.read_text() == "ABBAAB"
+    compared = {r["figure"]: r for r in json.loads(record.read_text())["compared"]}
+    assert compared["none: publish p50 ms"]["ratio"] == pytest.approx(2.0)
+    assert compared["none: join p50 ms"]["ratio"] == pytest.approx(1.0)
+    assert compared["none: joined of 2"]["a"] == 2
+    assert "figures: median B/A" in capsys.readouterr().out
+
+
+def test_the_sides_runner_reads_any_scenario():
+    # Without a reader of its own a scenario's JSON is read number by number, and a run
+    # that wrote none is read from what it printed.
+    from tools.bench import sides
+
+    run = {"max_lag": "1", "steps_per_s": 4.0, "samples": [1, 2, 9]}
+    leaves = dict(sides._leaves({"runs": [run], "config": {"x": 1}}))
+    assert leaves == {"runs[1].steps_per_s": 4.0, "runs[1].samples": 2.0}
+    printed = sides._printed("none       62    0\nswap      261   50\n")
+    assert printed == {"none #1": 62.0, "none #2": 0.0, "swap #1": 261.0, "swap #2": 50.0}

@@ -20,8 +20,8 @@ side (median and range over the rounds), and B's median over A's. A side is:
   ``--base-cmd '{python} -m zmqsync bench {options} --out {out}'``.
 
 The figures come from the JSON a run wrote: the grid's rows (p50, the raw round trip
-and ×floor per point), the trainer loop's records, the fixed cost's sides, or, for any
-other scenario, every number in the JSON by its path (lists of numbers by their median);
+and ×floor per point), the trainer loop's records, the fixed cost's sides, the joins'
+times per storm, or, for any other scenario, every number in the JSON by its path (lists of numbers by their median);
 a run that wrote no JSON is compared on the numbers it printed, each named by its line's
 words and its place in the line.
 
@@ -154,6 +154,22 @@ def _fixed(data: dict[str, Any]) -> Figures:
     return out
 
 
+def _joins(data: dict[str, Any]) -> Figures:
+    out: Figures = {}
+    for storm, samples in data["results"].items():
+        if isinstance(samples, dict):  # before the runner: {side: samples}, one side here
+            samples = next(iter(samples.values()), [])
+        joined = [t for s in samples for t in s["joined"]]
+        asked = len(joined) + sum(len(s["failed"]) for s in samples)
+        out[f"{storm}: joined of {asked}"] = len(joined)
+        if joined:
+            out[f"{storm}: join p50 ms"] = statistics.median(joined) * 1e3
+            out[f"{storm}: join max ms"] = max(joined) * 1e3
+        if samples:
+            out[f"{storm}: publish p50 ms"] = statistics.median(s["publish"] for s in samples) * 1e3
+    return out
+
+
 def _leaves(data: Any, path: str = "") -> Iterator[tuple[str, float]]:
     """Every number of a JSON document by its path; a list of numbers by its median, a list
     of objects by their text fields (or their place when they have none)."""
@@ -192,6 +208,7 @@ READERS: dict[str, Callable[[Any], Figures]] = {
     "trainer": _trainer,
     "fixed": _fixed,
     "fixed rounds": _fixed,
+    "joins cost": _joins,
 }
 
 
