@@ -37,6 +37,8 @@ import json
 import os
 import re
 import shlex
+import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -235,19 +237,24 @@ def run_once(side: Side, args: list[str], scenario: str, timeout: float) -> None
         options=shlex.join(options),
         out=shlex.quote(str(out)),
     )
+    proc = subprocess.Popen(
+        command, shell=True, cwd=side.tree, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, env={**_env(), "PYTHONPATH": str(side.tree)}, start_new_session=True,
+    )  # fmt: skip
     try:
-        proc = subprocess.run(
-            command, shell=True, cwd=side.tree, capture_output=True, text=True,
-            timeout=timeout, env={**_env(), "PYTHONPATH": str(side.tree)},
-        )  # fmt: skip
+        stdout, stderr = proc.communicate(timeout=timeout)
+        if proc.returncode != 0:
+            tail = (stderr.strip().splitlines() or ["no output"])[-1]
+            side.failures.append(f"rc {proc.returncode}: {tail[:200]}")
+        else:
+            side.figures.append(figures(scenario, out, stdout))
     except subprocess.TimeoutExpired:
         side.failures.append(f"timed out after {timeout:.0f} s")
-        return
-    if proc.returncode != 0:
-        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        side.failures.append(f"rc {proc.returncode}: {tail[:200]}")
-        return
-    side.figures.append(figures(scenario, out, proc.stdout))
+    finally:
+        if proc.poll() is None:  # a run cut short: its whole session goes (workers too)
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+        shutil.rmtree(out, ignore_errors=True)
 
 
 def _env() -> dict[str, str]:
