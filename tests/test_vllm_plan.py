@@ -152,3 +152,46 @@ def test_the_server_door_lets_requests_in_flight_finish_and_stamps_versions(monk
         assert engine.calls[-2:] == ["label:1", "resume"]
 
     asyncio.run(scenario())
+
+
+def test_the_vllm_venv_is_built_by_one_process_at_a_time(tmp_path):
+    from tests.helpers.vllm_env import _locked
+
+    lock = tmp_path / "venv.lock"
+    with _locked(lock, 5.0):
+        with pytest.raises(RuntimeError, match="held .* for 0 s"), _locked(lock, 0.2):
+            pass
+    with _locked(lock, 0.2):  # released: the next one gets it at once
+        pass
+
+
+def test_the_server_updates_by_itself_every_few_seconds(monkeypatch):
+    monkeypatch.setenv("ZMQSYNC_VLLM_BUS", "policy")
+    monkeypatch.setenv("ZMQSYNC_VLLM_EVERY", "0.01")
+
+    async def scenario():
+        engine = FakeEngine()
+        engine.gate.set()
+
+        async def app(scope, receive, send):
+            return None
+
+        middleware = ServerUpdates(app)
+        app_obj = type("App", (), {"state": type("State", (), {"engine_client": engine})()})()
+        await middleware({"type": "lifespan", "app": app_obj}, None, None)
+        for _ in range(500):
+            await asyncio.sleep(0.01)
+            if middleware.version == 0:
+                break
+        engine.newest = 3
+        for _ in range(500):
+            await asyncio.sleep(0.01)
+            if middleware.version == 3:
+                break
+        ticker = middleware._ticker
+        assert ticker is not None
+        ticker.cancel()
+        return middleware.version, engine.calls
+
+    version, calls = asyncio.run(scenario())
+    assert version == 3 and calls[0] == "zmqsync_join" and "label:3" in calls
