@@ -33,10 +33,9 @@ from pathlib import Path
 
 import zmq
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+ECHO = Path(__file__).resolve().parents[1] / "echo.py"  # the workers, with --extra
+sys.path.insert(0, str(ECHO.parent))
 from echo import EXTRAS as VARIANTS  # noqa: E402
-
-ECHO = Path(__file__).resolve().with_name("echo.py")  # the workers, with --extra
 
 
 def _cpu(pid: int) -> float:

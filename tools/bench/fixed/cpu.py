@@ -33,7 +33,7 @@ import zmq
 
 import zmqsync
 
-ECHO = Path(__file__).resolve().with_name("echo.py")  # the workers: a Subscriber + echo
+ECHO = Path(__file__).resolve().parents[1] / "echo.py"  # the workers: a Subscriber + echo
 
 
 def _model(kind: str) -> torch.nn.Module:

@@ -53,7 +53,7 @@ from typing import IO, Any
 
 HERE = Path(__file__).resolve()
 ROOT = HERE.parents[3]
-ECHO = HERE.with_name("echo.py")
+ECHO = HERE.parents[1] / "echo.py"
 sys.path.insert(0, str(HERE.parents[1]))  # tools/bench: a side's process runs this by path
 from roles import die_with_parent as _die_with_parent  # noqa: E402
 from roles import rotated, subscriber  # noqa: E402

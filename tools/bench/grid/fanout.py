@@ -22,6 +22,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .config import BenchError
@@ -107,33 +108,9 @@ class Fanout:
                     os.unlink(endpoint[len("ipc://") :])
 
 
-# A plain pyzmq process, nothing else imported: every frame on SUB goes back on PUSH.
-# It dies with the harness (PR_SET_PDEATHSIG) and on b"quit".
-_ECHO = r"""
-import ctypes, os, signal, sys, zmq
-try:
-    ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)
-except (OSError, AttributeError):
-    pass
-ctx = zmq.Context()
-sub, push = ctx.socket(zmq.SUB), ctx.socket(zmq.PUSH)
-sub.linger = push.linger = 0
-sub.subscribe(b"")
-sub.rcvtimeo = 1000
-sub.connect(sys.argv[1])
-push.connect(sys.argv[2])
-while True:
-    try:
-        msg = sub.recv()
-    except zmq.Again:
-        if os.getppid() == 1:
-            break
-        continue
-    if msg == b"quit":
-        break
-    push.send(msg)
-ctx.destroy(linger=0)
-"""
+# The raw floor's processes: the harness's one echo worker (a plain pyzmq process, no
+# torch), which dies with the harness and on b"quit".
+ECHO = Path(__file__).resolve().parents[1] / "echo.py"
 
 
 class Echoes:
@@ -166,7 +143,7 @@ class Echoes:
         for _ in range(len(self.procs), n):
             self.procs.append(
                 subprocess.Popen(
-                    [sys.executable, "-c", _ECHO, self.events, self.acks],
+                    [sys.executable, str(ECHO), self.events, self.acks],
                     stdin=subprocess.DEVNULL,
                     env=self.env,
                     start_new_session=True,  # Ctrl-C reaches the harness only

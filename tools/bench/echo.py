@@ -1,11 +1,12 @@
-"""The one echo worker of the fixed-cost scenarios: SUB -> PUSH, every message answered.
+"""The one echo worker of the harness: SUB -> PUSH, every message answered.
 
-Run by path (``python tools/bench/fixed/echo.py EVENTS ACKS [OPTIONS]``), from any
-directory: ``PYTHONPATH`` decides which ``zmqsync`` it imports. The raw round trip it
-answers is the floor a publish is compared with; what else the process holds or does is
-what the scenario asks about:
+Run by path (``python tools/bench/echo.py EVENTS ACKS [OPTIONS]``), from any directory:
+``PYTHONPATH`` decides which ``zmqsync`` it imports. The raw round trip it answers is the
+floor a publish is compared with; what else the process holds or does is what the
+scenario asks about:
 
-``fixed rounds``      nothing else: a plain pyzmq process, no torch (the raw side).
+``grid``, ``fixed``   nothing else: a plain pyzmq process, no torch (the raw floor; the
+                      grid's Echoes, the fixed cost's raw side).
 ``fixed cpu``         ``--subscribe NAME``: a real Subscriber on the same process, the
                       echo on the main thread (the CPU of both is read from ``/proc``).
 ``fixed cold-calls``  ``--extra VARIANT``: one more call per message, the echo on a
@@ -82,7 +83,7 @@ def echo(events: str, acks: str, extra: Callable[[], None]) -> None:
 
 def _model(kind: str) -> Any:
     if kind == "many":  # the grid's 2,000 tensors of 2 KB
-        sys.path.append(str(HERE.parents[3]))  # after PYTHONPATH: it still picks zmqsync
+        sys.path.append(str(HERE.parents[2]))  # after PYTHONPATH: it still picks zmqsync
         from tools.bench.grid.worker import make_model
 
         return make_model("many", 0, fill=False)[0]
@@ -102,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", choices=("4k", "many"), default="4k")
     parser.add_argument("--flat", action="store_true")
     args = parser.parse_args(argv)
-    sys.path.insert(0, str(HERE.parents[1]))  # tools/bench
+    sys.path.insert(0, str(HERE.parent))  # tools/bench, for a run by path from anywhere
     from roles import die_with_parent, subscriber
 
     die_with_parent()
