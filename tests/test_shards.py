@@ -15,6 +15,7 @@ import sys
 import pytest
 
 from tests.conftest import Proc
+from zmqsync._buffers import collect_garbage
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 
@@ -50,19 +51,22 @@ def _event(name: str, **fields: object):
     return lambda r: r.get("event") == name and all(r.get(k) == v for k, v in fields.items())
 
 
-def _run(ranks, spawn, tmp_path, name, n, kind, mode="copy", steps=3, extra=()):
-    """Start the ranks and one worker; gate every version on the worker having it."""
+def _run(ranks, spawn, tmp_path, name, n, kind, mode="copy", steps=3, extra=(), root=False):
+    """Start the ranks and one worker (`root`: none, the caller starts a relay root);
+    gate every version on the worker having it."""
     gate = tmp_path / "gate"
     gate.mkdir()
     procs = ranks(n, name, "--kind", kind, "--steps", str(steps), "--gate", str(gate), *extra)
     host = procs[0]
     started = host.wait_for(_event("started"), timeout=120)
     assert started["kinds"] == ["DTensor", "Tensor"]
-    worker = spawn(WORKER, name, mode, module="")
+    worker = None if root else spawn(WORKER, name, mode, module="")
     return procs, host, worker, gate
 
 
 def _check_versions(host: Proc, worker: Proc, gate, versions) -> None:
+    worker.wait_for(_event("ready"), timeout=120)
+    (gate / "0").touch()  # the trainer publishes version 1 once the worker is there
     for version in versions:
         want = host.wait_for(_event("version", version=version), timeout=120)["digest"]
         seen = worker.wait_for(_event("seen", version=version), timeout=120)
@@ -122,3 +126,51 @@ def test_a_stalled_rank_fails_the_publish_at_the_deadline(ranks, spawn, tmp_path
     procs[1].kill()
     assert worker.finish(60) == 0
     assert max(r["version"] for r in worker.records if r.get("event") == "seen") == 1
+
+
+def test_a_host_killed_mid_publish_fails_it_on_the_other_ranks(
+    ranks, spawn, tmp_path, name, bus_dirs
+):
+    procs, host, worker, gate = _run(
+        ranks, spawn, tmp_path, name, 2, "fsdp",
+        extra=("--die-at", "2", "--victim", "0", "--timeout", "20"),
+    )  # fmt: skip
+    _check_versions(host, worker, gate, [1])
+    failed = procs[1].wait_for(_event("failed", version=2), timeout=60)
+    assert "the host rank (pid" in failed["error"] and "died" in failed["error"], failed
+    assert host.finish(30) == -9
+    assert procs[1].finish(30) == 3
+    # the worker keeps version 1 whole; the killed host's segment is garbage once no
+    # rank maps it any more
+    worker.kill()
+    assert max(r["version"] for r in worker.records if r.get("event") == "seen") == 1
+    _, shm = bus_dirs
+    assert collect_garbage(str(shm))
+
+
+def test_relays_carry_a_sharded_trainers_versions(ranks, spawn, tmp_path, name, bus_dirs):
+    """The sharded trainer's bus is fed to a relay root; "host B" (its own runtime and shm
+    dirs) runs a relay and a plain worker, which gets every version bit-exact."""
+    procs, host, worker, gate = _run(ranks, spawn, tmp_path, name, 2, "fsdp", root=True)
+    root = spawn(
+        "relay", "--root", "--name", name, "--init-method", "tcp://127.0.0.1:0",
+        "--ack", "relays", "--json",
+    )  # fmt: skip
+    url = root.wait_for(_event("started"), timeout=60)["init_method"]
+    runtime, shm = bus_dirs
+    elsewhere = {"ZMQSYNC_RUNTIME_DIR": str(runtime / "hostB"), "ZMQSYNC_SHM_DIR": f"{shm}-hostB"}
+    os.makedirs(elsewhere["ZMQSYNC_RUNTIME_DIR"], mode=0o700)
+    os.makedirs(elsewhere["ZMQSYNC_SHM_DIR"], mode=0o700)
+    env = dict(os.environ, **elsewhere)
+    relay = Proc([sys.executable, "-m", "zmqsync", "relay", "--name", name, "--relay-id",
+                  "hostB", "--init-method", url, "--json"], env)  # fmt: skip
+    far = Proc([sys.executable, WORKER, name, "copy"], env)
+    try:
+        _check_versions(host, far, gate, range(1, 4))
+        for proc in procs:
+            assert proc.finish(60) == 0, proc.stderr[-2000:]
+    finally:
+        for proc in (far, relay):
+            proc.kill()
+        collect_garbage(elsewhere["ZMQSYNC_SHM_DIR"])
+        os.rmdir(elsewhere["ZMQSYNC_SHM_DIR"])

@@ -187,7 +187,10 @@ class RankPage:
                 if _reached(self._word(r, 2), number):
                     raise self._fail(number, r, f"rank {r}'s publish() raised before writing")
                 if self._word(r, 0) and not self._alive(r):
-                    raise self._fail(number, r, f"rank {r} (pid {self._word(r, 0)}) died")
+                    pid = self._word(r, 0)
+                    raise self._fail(
+                        number, r, f"rank {r} (pid {pid}) died or closed its publisher"
+                    )
 
         if not self._wait(lambda: not missing(), check, deadline):
             late = missing()

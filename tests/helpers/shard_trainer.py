@@ -10,7 +10,8 @@ Every rank builds the same model (dims that do not divide by the ranks), shards 
 (forward, backward, SGD, buffers changed), ``publish()``, and rank 0 prints the digest
 of the trainer's own full state dict (``get_model_state_dict(full_state_dict=True)``)
 for that version. With --gate, rank 0 then waits for DIR/<version> (the test makes it
-once a worker showed that version) before every rank goes on.
+once a worker showed that version) before every rank goes on, and for DIR/0 before the
+first step.
 
 --die-at V: rank --victim SIGKILLs itself instead of publishing version V. --stall-at V:
 it sleeps instead, for a long while. The others report {"event": "failed"} with the
@@ -140,6 +141,8 @@ def main() -> int:
         _say(event="started", rank=rank, pid=os.getpid(), kinds=kinds, bus=pub.bus_id)
         _say(event="version", version=0, digest=d0)
         pub.wait_for_workers(args.workers, timeout=60)
+        if args.gate:  # and the test's own worker, when the worker is a relay root
+            _gate(args.gate, 0)
     dist.barrier()
     for step in range(1, args.steps + 1):
         _step(model, opt, step, args.kind)

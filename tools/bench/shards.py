@@ -4,6 +4,7 @@ rank's peak memory, FSDP2 over 2 and 4 ranks (gloo, CPU), 64 MB to 1 GB.
     python -m tools.bench.shards                       # 64, 256, 1024 MB; 2 and 4 ranks
     python -m tools.bench.shards --sizes 64 --ranks 2  # one configuration
     python -m tools.bench.shards --json out.json
+    python -m tools.bench.shards --apply             # a TP worker's copy vs a full one
 
 Two ways, alternating in one run, the same model and one copy-mode worker each:
 
@@ -17,8 +18,14 @@ The model is built on the meta device and materialized after ``fully_shard`` (no
 ever holds it whole at start), as Linear(4096, 4096) layers of 64 MiB. Per configuration:
 one warm-up publish, then --publishes timed ones, each after a barrier; rank 0's time
 (the host's publish, or gather + publish) is reported as the median, with the slowest
-rank's. Peak RSS is each rank's high-water mark (``VmHWM``) over the publishes only:
-it is reset (``/proc/self/clear_refs``) after the warm-up.
+rank's. Peak RSS is each rank's high-water mark (``VmHWM``) over the publishes only
+(reset through ``/proc/self/clear_refs`` after the warm-up); it counts the pages of the
+shared segment the rank wrote, which are not the rank's own. So the private memory
+(``RssAnon``) is given beside it, its largest value sampled after each gather and each
+publish (where a gathered copy is still held).
+
+``--apply`` measures instead, in one process, the copy a tensor-parallel worker's apply
+will make (its slice of every tensor) against a full worker's (`apply_main`).
 
 Each rank is this file run as ``--rank`` (torch.distributed's env: RANK, WORLD_SIZE,
 MASTER_ADDR, MASTER_PORT); the worker is ``--worker``.
@@ -43,10 +50,12 @@ ROOT = Path(__file__).resolve().parents[2]
 LAYER_MB = 64  # Linear(4096, 4096), float32, no bias
 
 
-def _peak_rss_mb() -> float:
+def _status_mb(field: str) -> float:
+    """A field of /proc/self/status, in MB: VmHWM (peak RSS, shared memory pages this
+    process touched included), RssAnon (its private memory now)."""
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmHWM:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1]) / 1024
     return -1.0
 
@@ -102,6 +111,7 @@ def rank_main(way: str, name: str, size_mb: int, publishes: int) -> int:
         pub.wait_for_workers(1, timeout=120)
     dist.barrier()
     times: list[float] = []
+    private = 0.0  # the private memory's peak, sampled where it peaks: with the version held
     for i in range(publishes + 1):
         if i == 1:
             _reset_peak()
@@ -113,17 +123,19 @@ def rank_main(way: str, name: str, size_mb: int, publishes: int) -> int:
             full = gathered()
             if rank == 0:
                 pub.publish(weights=full)
+            private = max(private, _status_mb("RssAnon"))
             del full
         if i:
             times.append(time.perf_counter() - started)
-    peak = _peak_rss_mb()
+        private = max(private, _status_mb("RssAnon"))
     everyone: list[Any] = [None] * world
-    dist.all_gather_object(everyone, (times, peak))
+    dist.all_gather_object(everyone, (times, _status_mb("VmHWM"), private))
     if rank == 0:
         _say(
             event="result",
-            ms=[round(1e3 * statistics.median(t), 2) for t, _ in everyone],
-            peak_rss_mb=[round(p, 1) for _, p in everyone],
+            ms=[round(1e3 * statistics.median(t), 2) for t, _, _ in everyone],
+            peak_rss_mb=[round(p, 1) for _, p, _ in everyone],
+            private_mb=[round(p, 1) for _, _, p in everyone],
         )
     dist.barrier()
     if pub is not None:
@@ -140,6 +152,52 @@ def worker_main(name: str) -> int:
         while not sub.stopped:
             sub.wait_for_version(sub.version + 1, timeout=1.0)
     return 0
+
+
+def apply_main(sizes: list[int], ranks: list[int], repeats: int) -> list[dict[str, Any]]:
+    """The copy a tensor-parallel worker's apply will make (its slice of each tensor, by
+    `_shard_reads.slice_moves` and the native loop) vs a full worker's (every byte), in
+    this process: layers alternate row shards (ColwiseParallel: one range) and column
+    shards (RowwiseParallel: one range per row), as in a TP transformer."""
+    import torch
+
+    from zmqsync._copy import ByteCopies
+    from zmqsync._shard_reads import slice_moves
+    from zmqsync._shards import Piece
+    from zmqsync._slices import Shard, local_shape
+
+    rows = []
+    for size_mb in sizes:
+        layers = size_mb // LAYER_MB
+        slot = [torch.randn(4096, 4096) for _ in range(layers)]  # the full tensors
+        full = [torch.empty_like(t) for t in slot]
+        whole = ByteCopies(
+            [(d.data_ptr(), s.data_ptr(), s.nbytes) for d, s in zip(full, slot, strict=True)]
+        )
+        for n in ranks:
+            pieces = [Piece((Shard(i % 2),), (n,), (0,)) for i in range(layers)]
+            local = [
+                torch.empty(local_shape(tuple(t.shape), p.placements, p.mesh, p.coordinate))
+                for t, p in zip(slot, pieces, strict=True)
+            ]
+            moves = [m for v, d, p in zip(slot, local, pieces, strict=True)
+                     for m in slice_moves(v, d, p)]  # fmt: skip
+            sliced = ByteCopies(moves)
+            times: dict[str, list[float]] = {"full": [], "slice": []}
+            for _ in range(repeats):  # alternating, after one warm-up each
+                for label, plan in (("full", whole), ("slice", sliced)):
+                    plan.run()
+                    started = time.perf_counter()
+                    plan.run()
+                    times[label].append(time.perf_counter() - started)
+            rows.append({
+                "size_mb": size_mb, "tp": n,
+                "full_ms": round(1e3 * statistics.median(times["full"]), 2),
+                "slice_ms": round(1e3 * statistics.median(times["slice"]), 2),
+                "slice_mb": round(sum(m[2] for m in moves) / 2**20, 1),
+            })  # fmt: skip
+        del slot, full
+    return rows
 
 
 def _free_port() -> int:
@@ -189,6 +247,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     p.add_argument("--publishes", type=int, default=5)
     p.add_argument("--json", default=None, help="write the rows here too")
+    p.add_argument(
+        "--apply", action="store_true", help="instead: a TP worker's slice copy vs a full copy"
+    )
     p.add_argument("--rank", nargs=4, metavar=("WAY", "NAME", "MB", "N"), help=argparse.SUPPRESS)
     p.add_argument("--worker", metavar="NAME", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -197,14 +258,29 @@ def main(argv: list[str] | None = None) -> int:
         return rank_main(way, name, int(size_mb), int(n))
     if args.worker:
         return worker_main(args.worker)
+    if args.apply:
+        print(f"{'MB':>5} {'TP':>3} {'full copy ms':>12} {'slice copy ms':>13} {'slice MB':>9}")
+        for row in apply_main(args.sizes, args.ranks, args.publishes):
+            print(
+                f"{row['size_mb']:>5} {row['tp']:>3} {row['full_ms']:>12.1f} "
+                f"{row['slice_ms']:>13.1f} {row['slice_mb']:>9.1f}",
+                flush=True,
+            )
+        return 0
     rows = []
-    print(f"{'ranks':>5} {'MB':>5} {'way':>8} {'rank 0 ms':>10} {'slowest ms':>10}  peak RSS MB")
+    print(
+        f"{'ranks':>5} {'MB':>5} {'way':>8} {'rank 0 ms':>10} {'slowest ms':>10}  "
+        "per rank: peak RSS MB (private MB)"
+    )
     for ranks in args.ranks:
         for size_mb in args.sizes:
             for way in ("sharded", "gather"):  # side by side, the same model and worker
                 row = run_one(way, size_mb, ranks, args.publishes)
                 rows.append(row)
-                rss = " ".join(f"{v:.0f}" for v in row["peak_rss_mb"])
+                rss = " ".join(
+                    f"{v:.0f} ({p:.0f})"
+                    for v, p in zip(row["peak_rss_mb"], row["private_mb"], strict=True)
+                )
                 print(
                     f"{ranks:>5} {size_mb:>5} {way:>8} {row['ms'][0]:>10.1f} "
                     f"{max(row['ms']):>10.1f}  {rss}",
