@@ -243,3 +243,22 @@ def test_the_relay_options_are_exported_beside_the_relays():
 def test_publish_has_one_knob_for_how_long_it_waits():
     params = inspect.signature(zmqsync.Publisher.publish).parameters
     assert "wait" not in params and params["max_lag"].default == 0
+
+
+def test_how_a_worker_reads_is_one_object_holding_only_what_applies(name):
+    """`reads=` takes Copies or Aliases; options that cannot apply cannot be spelled."""
+    with pytest.raises(TypeError):
+        zmqsync.Aliases(flat=True)  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match="reads="):
+        zmqsync.Subscriber(name=name, reads="alias")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="manual"):
+        zmqsync.Copies(manual="yes")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="on_update"):
+        zmqsync.Aliases(on_update=3)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="without a model"):
+        zmqsync.Subscriber(
+            name=name, model=torch.nn.Linear(2, 2), reads=zmqsync.Copies(device="cpu")
+        )
+    for gone in ("mode", "apply", "flat", "device", "on_update"):
+        with pytest.raises(TypeError):
+            zmqsync.Subscriber(name=name, **{gone: None})

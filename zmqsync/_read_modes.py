@@ -477,6 +477,11 @@ class AliasReader(Reader):
 
 def build(reads: Reads, model: Any, where: Where) -> Reader:
     """The reader a `Reads` option asks for."""
+    if model is not None and isinstance(reads, Reads) and reads.device is not None:
+        raise ValueError(
+            f"reads={reads!r} names a device, which is for a Subscriber without a model: "
+            "the model's tensors stay where they are (move the model to change it)"
+        )
     if isinstance(reads, Copies):
         return CopyReader(reads, model, where)
     if isinstance(reads, Aliases):
