@@ -135,3 +135,24 @@ def test_disagreeing_inputs_are_value_errors():
         held((4,), [Shard(0)], [2], [2])
     with pytest.raises(ValueError, match="of a tensor of 1 dims"):
         held((4,), [Shard(1)], [2], [0])
+
+
+def test_the_slice_arithmetic_loads_no_torch():
+    """Either side may use it without torch: imported alone (the package's `__init__`
+    replaced by an empty package, as tests/test_architecture.py does), it loads none."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    package = Path(__file__).resolve().parent.parent / "zmqsync"
+    code = (
+        "import importlib, sys, types\n"
+        "root = types.ModuleType('zmqsync')\n"
+        f"root.__path__ = [{str(package)!r}]\n"
+        "sys.modules['zmqsync'] = root\n"
+        "importlib.import_module('zmqsync._slices')\n"
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'numpy'}))\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "[]"
