@@ -17,6 +17,9 @@ The slot views are the full tensors' (`Layout.views`); the pieces come from
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 import torch
 
 from . import _slices
@@ -25,7 +28,7 @@ from ._shards import Piece
 __all__ = ["slice_moves", "slice_view"]
 
 
-def _args(view: torch.Tensor, piece: Piece) -> tuple:
+def _args(view: torch.Tensor, piece: Piece) -> tuple[Any, ...]:
     return (tuple(view.shape), view.element_size(), piece.placements, piece.mesh, piece.coordinate)
 
 
@@ -61,11 +64,4 @@ def slice_view(view: torch.Tensor, piece: Piece) -> torch.Tensor | None:
         return None
     item = view.element_size()
     start = ranges[0][0] // item if ranges else 0
-    return view.reshape(-1)[start : start + _numel(shape)].view(shape)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
+    return view.reshape(-1)[start : start + math.prod(shape)].view(shape)

@@ -23,6 +23,7 @@ Who writes when, and how a publish completes on every rank, is `_rank_page`'s.
 from __future__ import annotations
 
 import hashlib
+import math
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -219,18 +220,12 @@ class ShardWriter:
             )
             if not boxes:
                 continue  # this rank's piece is empty (FSDP2's last ranks of a short dim)
-            item = spec.nbytes // max(1, _numel(spec.shape))
+            item = spec.nbytes // max(1, math.prod(spec.shape))
             ranges = _slices.byte_ranges(spec.shape, item, *args[1:])
             offset, nbytes = ranges[0] if len(ranges) == 1 else (0, 0)
             self._plans.append(
                 _Plan(spec.key, piece, _slices.local_shape(*args), boxes, offset, nbytes)
             )
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes this rank writes per version (pieces that are one range; a rough count
-        for the others is not needed: they are reported by `write`)."""
-        return sum(plan.nbytes for plan in self._plans)
 
     def write(self, views: Mapping[Key, torch.Tensor], flat: Mapping[Key, torch.Tensor]) -> int:
         """Copy this rank's part of `flat` into `views` (one slot's); returns the bytes.
@@ -266,10 +261,3 @@ class ShardWriter:
             for dst, src in copies:
                 dst.copy_(src)
         return written
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
