@@ -9,6 +9,7 @@ The ranks are `tests/helpers/shard_trainer.py`, the worker `tests/helpers/digest
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import sys
 
@@ -34,12 +35,14 @@ def ranks():
     """launch(n, *args) -> the n rank processes of one trainer, killed at teardown."""
     procs: list[Proc] = []
 
-    def launch(n: int, *args: str) -> list[Proc]:
+    def launch(n: int, *args: str, wrap: dict[int, list[str]] | None = None) -> list[Proc]:
+        """`wrap`: a command to run some ranks under (rank -> its argv prefix)."""
         port = str(_free_port())
         for rank in range(n):
             env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(n), LOCAL_RANK=str(rank))
             env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1")
-            procs.append(Proc([sys.executable, TRAINER, *args], env))
+            prefix = (wrap or {}).get(rank, [])
+            procs.append(Proc([*prefix, sys.executable, TRAINER, *args], env))
         return procs[-n:]
 
     yield launch
@@ -174,3 +177,22 @@ def test_relays_carry_a_sharded_trainers_versions(ranks, spawn, tmp_path, name, 
             proc.kill()
         collect_garbage(elsewhere["ZMQSYNC_SHM_DIR"])
         os.rmdir(elsewhere["ZMQSYNC_SHM_DIR"])
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("unshare") is None,
+    reason="needs root and unshare(1), for a rank with a host name of its own",
+)
+def test_a_mesh_spanning_hosts_is_refused_on_every_rank_in_one_line(ranks, name):
+    """Rank 1 runs in a UTS namespace of its own (another host name; the network and the
+    shared memory are still this host's, so gloo connects): both ranks are told, by the
+    tensor's name, before any segment exists."""
+    other = ["unshare", "--uts", "sh", "-c", 'hostname elsewhere && exec "$0" "$@"']
+    procs = ranks(2, name, "--workers", "0", wrap={1: other})
+    for proc in procs:
+        refused = proc.wait_for(_event("refused"), timeout=120)
+        assert refused["kind"] == "TypeError"
+        error = refused["error"]
+        assert error.startswith("'norm.weight' is a DTensor whose mesh spans 2 hosts (")
+        assert "elsewhere" in error and "docs/multi-host.md" in error and "\n" not in error
+        assert proc.finish(60) == 4

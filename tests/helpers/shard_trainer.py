@@ -13,6 +13,7 @@ for that version. With --gate, rank 0 then waits for DIR/<version> (the test mak
 once a worker showed that version) before every rank goes on, and for DIR/0 before the
 first step.
 
+A Publisher refused at construction is reported as {"event": "refused"} (exit 4).
 --die-at V: rank --victim SIGKILLs itself instead of publishing version V. --stall-at V:
 it sleeps instead, for a long while. The others report {"event": "failed"} with the
 error and exit. JSON lines on stdout; rank 0 prints "started" first.
@@ -134,7 +135,12 @@ def main() -> int:
     model = Net()
     _shard(model, args.kind, world)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    pub = zmqsync.Publisher(model, name=args.name, timeout=args.timeout).start()
+    try:
+        pub = zmqsync.Publisher(model, name=args.name, timeout=args.timeout).start()
+    except (TypeError, NotImplementedError) as exc:  # refused, on every rank alike
+        _say(event="refused", rank=rank, error=str(exc), kind=type(exc).__name__)
+        dist.destroy_process_group()
+        return 4
     d0 = _full_digest(model)
     if rank == 0:
         kinds = sorted({type(t).__name__ for t in flatten(model, sharded=True).values()})
