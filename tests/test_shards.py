@@ -98,6 +98,16 @@ def test_every_version_is_the_trainers_full_state_dict(ranks, spawn, tmp_path, n
         assert proc.finish(30) == 0, proc.stderr[-2000:]
 
 
+def test_a_sharded_publish_cast_to_bf16(ranks, spawn, tmp_path, name):
+    """Copy(dtype=torch.bfloat16): each rank casts its own shard on the way; every version
+    is the trainer's full state dict cast to bf16, bit for bit."""
+    procs, host, worker, gate = _run(ranks, spawn, tmp_path, name, 2, "fsdp",
+                                     extra=("--bf16",))  # fmt: skip
+    _check_versions(host, worker, gate, range(1, 4))
+    for proc in procs:
+        assert proc.finish(60) == 0, proc.stderr[-2000:]
+
+
 @pytest.mark.parametrize("n", [2, 4])
 def test_a_rank_killed_mid_publish_fails_it_on_every_other_rank(ranks, spawn, tmp_path, name, n):
     procs, host, worker, gate = _run(

@@ -19,13 +19,13 @@ import contextlib
 from typing import Any
 
 from ._deadline import Deadline
-from ._layout import Key
+from ._layout import Key, Layout
 from ._overlap import Pending
 from ._rank_page import RankPage, RanksFailed, page_name
 from ._shard_peer import ShardPeer
 from ._shards import Shards, ShardWriter
 from ._slots import Slots
-from ._source import Source
+from ._source import Source, cast_to
 from ._write_modes import Flat, Mode, Named
 from ._writes import Copy, Writes
 
@@ -33,11 +33,16 @@ __all__ = ["ShardedWrites", "sharded_mode"]
 
 
 class ShardedWrites(Mode):
-    """The host's mode for DTensor weights (see the module doc). CPU meshes; one way of
-    writing (``Copy()``): every tensor is re-read and written at each publish."""
+    """The host's mode for DTensor weights (see the module doc). CPU meshes; written as
+    ``Copy()`` writes (every tensor re-read and written at each publish), cast on the way
+    with ``Copy(dtype=...)``."""
 
-    def __init__(self, source: Source, shards: Shards, shm_dir: str, timeout: float | None):
+    def __init__(
+        self, source: Source, shards: Shards, layout: Layout, shm_dir: str, timeout: float | None
+    ) -> None:
+        """`layout`: what the slots hold (`source`'s, or cast by ``Copy(dtype=)``)."""
         super().__init__(source)
+        self.layout = layout
         self.shards = shards
         self._shm_dir = shm_dir
         self._timeout = timeout
@@ -143,11 +148,12 @@ def sharded_mode(
     """
     if not source.sharded:
         return None
-    if writes != Copy():
+    if not isinstance(writes, Copy) or writes.skip_unchanged or writes.flat:
         raise NotImplementedError(
-            f"DTensor weights are written with Copy() (each rank its shards), not {writes!r}; "
-            "leave writes= out"
+            f"DTensor weights are written with Copy() or Copy(dtype=...) (each rank its "
+            f"shards), not {writes!r}; leave writes= out"
         )
-    shards = Shards.of(source.flat, source.layout)
+    layout = cast_to(source, writes.dtype) if writes.dtype is not None else source.layout
+    shards = Shards.of(source.flat, layout)
     shards.agree(bus_id)
-    return ShardedWrites(source, shards, shm_dir, timeout)
+    return ShardedWrites(source, shards, layout, shm_dir, timeout)

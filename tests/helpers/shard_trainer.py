@@ -3,6 +3,7 @@
     RANK=r WORLD_SIZE=n MASTER_ADDR=127.0.0.1 MASTER_PORT=p \\
         python tests/helpers/shard_trainer.py NAME --kind fsdp|tp|2d --steps K \\
         [--workers W] [--gate DIR] [--die-at V] [--stall-at V] [--victim R] [--timeout S]
+        [--bf16]
 
 Every rank builds the same model (dims that do not divide by the ranks), shards it
 (FSDP2's fully_shard, tensor parallel, or both on a 2D mesh), builds
@@ -79,12 +80,15 @@ def _shard(model: Net, kind: str, world: int) -> None:
         fully_shard(model, mesh=mesh["dp"])
 
 
-def _full_digest(model: Net) -> str | None:
-    """The trainer's own full state dict (a collective), hashed on rank 0."""
+def _full_digest(model: Net, dtype: torch.dtype | None = None) -> str | None:
+    """The trainer's own full state dict (a collective), hashed on rank 0; `dtype`: its
+    floating tensors cast first, as ``Copy(dtype=...)`` publishes them."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     full = get_model_state_dict(model, options=options)
+    if dtype is not None:
+        full = {k: v.to(dtype) if v.is_floating_point() else v for k, v in full.items()}
     return digest(flatten(full)) if dist.get_rank() == 0 else None
 
 
@@ -127,6 +131,7 @@ def main() -> int:
     p.add_argument("--stall-at", type=int, default=None)
     p.add_argument("--victim", type=int, default=1)
     p.add_argument("--timeout", type=float, default=30.0)
+    p.add_argument("--bf16", action="store_true", help="publish with Copy(dtype=bfloat16)")
     args = p.parse_args()
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
@@ -136,12 +141,15 @@ def main() -> int:
     _shard(model, args.kind, world)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     try:
-        pub = zmqsync.Publisher(model, name=args.name, timeout=args.timeout).start()
+        dtype = torch.bfloat16 if args.bf16 else None
+        writes = zmqsync.Copy(dtype=dtype)
+        pub = zmqsync.Publisher(model, name=args.name, timeout=args.timeout, writes=writes)
+        pub.start()
     except (TypeError, NotImplementedError) as exc:  # refused, on every rank alike
         _say(event="refused", rank=rank, error=str(exc), kind=type(exc).__name__)
         dist.destroy_process_group()
         return 4
-    d0 = _full_digest(model)
+    d0 = _full_digest(model, dtype)
     if rank == 0:
         kinds = sorted({type(t).__name__ for t in flatten(model, sharded=True).values()})
         _say(event="started", rank=rank, pid=os.getpid(), kinds=kinds, bus=pub.bus_id)
@@ -163,7 +171,7 @@ def main() -> int:
             pub.close()
             sys.stdout.flush()
             os._exit(3)  # the group lost a rank: no collective can complete any more
-        d = _full_digest(model)
+        d = _full_digest(model, dtype)
         if rank == 0:
             _say(event="version", version=handle.version, digest=d, acked=list(handle.acked))
             if args.gate:
