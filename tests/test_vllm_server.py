@@ -201,8 +201,9 @@ def test_a_server_takes_versions_finishing_requests_in_flight_on_old_weights(ser
         reference = server.complete(**long)
         assert reference[1] == "1"
         result: dict = {}
-        thread = threading.Thread(target=lambda: result.update(out=server.complete(**long),
-                                                               done=time.monotonic()))
+        thread = threading.Thread(
+            target=lambda: result.update(out=server.complete(**long), done=time.monotonic())
+        )
         thread.start()
         _wait_in_flight(server)
         assert trainer.publish(2) == 2

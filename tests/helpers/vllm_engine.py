@@ -25,9 +25,7 @@ START_TIMEOUT_S = 600.0  # ~25 s here when idle; far more with other work on 2 c
 class EngineProc:
     """A `tests.helpers.vllm_driver` process: `call(op, **fields)` -> its reply."""
 
-    def __init__(
-        self, env: VllmEnv, model: Path, log: Path, tp: int = 1, **extra_env: str
-    ) -> None:
+    def __init__(self, env: VllmEnv, model: Path, log: Path, tp: int = 1, **extra_env: str) -> None:
         self.log = log
         self._out = open(log, "w")  # noqa: SIM115 - closed in close()
         self.proc = subprocess.Popen(
@@ -44,7 +42,7 @@ class EngineProc:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
             if line.startswith(PREFIX):
-                self._replies.put(json.loads(line[len(PREFIX):]))
+                self._replies.put(json.loads(line[len(PREFIX) :]))
             else:
                 self._out.write(line)
                 self._out.flush()

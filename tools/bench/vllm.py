@@ -93,8 +93,13 @@ def _report(result: dict[str, Any]) -> None:
           f"{result['rounds']} rounds, median (min) ms")  # fmt: skip
     for way in WAYS:
         times = result["ways"][way]
-        print(f"  {way:<8} " + "  ".join(f"{k} {statistics.median(v) * 1e3:7.1f} "
-                                         f"({min(v) * 1e3:.1f})" for k, v in times.items()))
+        print(
+            f"  {way:<8} "
+            + "  ".join(
+                f"{k} {statistics.median(v) * 1e3:7.1f} ({min(v) * 1e3:.1f})"
+                for k, v in times.items()
+            )
+        )
     for run, t in result["throughput"].items():
         print(f"  tokens/s {run:<14} {t['tokens_per_s']:8.1f}  ({t['updates']} updates)")
 

@@ -65,8 +65,9 @@ def _allow_amx() -> None:
 _allow_amx()
 
 
-def _subscribe(name: str, address: str | None, timeout: float, shm_dir: str | None,
-               worker_id: str) -> Subscriber:
+def _subscribe(
+    name: str, address: str | None, timeout: float, shm_dir: str | None, worker_id: str
+) -> Subscriber:
     """The one place this integration builds a Subscriber: manual apply (only inside
     ``zmqsync_fetch``, between engine steps), copy mode into tensors of its own (model
     None: the engine's tensors are vLLM's, fused and packed, reached only by its loader)."""
@@ -162,8 +163,14 @@ class WorkerExtension:
     _zmqsync: _Follower | None = None
     _zmqsync_expected: Expected | None = None
 
-    def zmqsync_join(self, name: str, address: str | None = None, timeout: float = 60.0,
-                     shm_dir: str | None = None, check_finite: bool = False) -> Status:
+    def zmqsync_join(
+        self,
+        name: str,
+        address: str | None = None,
+        timeout: float = 60.0,
+        shm_dir: str | None = None,
+        check_finite: bool = False,
+    ) -> Status:
         """Join bus `name` (once; a second join of the same process is refused)."""
         if self._zmqsync is not None:
             return self._zmqsync.status(f"already joined bus {self._zmqsync.sub.name!r}", "joined")
@@ -216,4 +223,3 @@ class WorkerExtension:
             return {"error": "this engine worker has not joined a bus", "kind": "join",
                     "version": -1, "bus": ""}  # fmt: skip
         return self._zmqsync
-
