@@ -14,7 +14,8 @@ of that:
 * `Shards.agree` is the one collective: at construction, every rank learns the host's
   bus id and checks that all ranks are on this host and built the same layout.
 * `ShardWriter` writes this rank's part of a version into a slot's views: the pieces it
-  holds (once per replicated group: `_slices.writes`) and, on the host, every plain
+  holds (once per replicated group: `_slices.writes`; a DTensor on a submesh, such as
+  FSDP2's dp mesh inside a 2D one, by its lowest submesh) and, on the host, every plain
   tensor. A piece that is one byte range goes by the native copy, the rest by torch.
 
 Who writes when, and how a publish completes on every rank, is `_rank_page`'s.
@@ -127,6 +128,8 @@ class Shards:
         self.pieces = pieces
         self.digest = digest
         self.bus_id = ""
+        self.firsts: dict[Key, int] = {}  # each DTensor's mesh's lowest rank
+        self.elsewhere: frozenset[Key] = frozenset()  # DTensors another submesh writes
 
     @property
     def host(self) -> bool:
@@ -143,19 +146,24 @@ class Shards:
         import torch.distributed as dist
 
         pieces: dict[Key, Piece] = {}
+        firsts: dict[Key, int] = {}
         covered: set[int] = set()
         for key, tensor in flat.items():
             if not is_dtensor(tensor):
                 continue
             pieces[key] = piece_of(key, tensor)
-            covered.update(int(r) for r in tensor.device_mesh.mesh.flatten().tolist())  # type: ignore[attr-defined]
+            ranks = [int(r) for r in tensor.device_mesh.mesh.flatten().tolist()]  # type: ignore[attr-defined]
+            firsts[key] = min(ranks)
+            covered.update(ranks)
         world = dist.get_world_size()
         if covered != set(range(world)):
             raise NotImplementedError(
                 f"the DTensors' meshes cover ranks {sorted(covered)} of a world of {world}: "
                 "a sharded publisher needs meshes over every rank of the world"
             )
-        return cls(tuple(sorted(covered)), dist.get_rank(), pieces, _digest(layout))
+        shards = cls(tuple(sorted(covered)), dist.get_rank(), pieces, _digest(layout))
+        shards.firsts = firsts
+        return shards
 
     def agree(self, bus_id: str) -> None:
         """The one collective: every rank takes the host's `bus_id`, after checking that
@@ -166,10 +174,10 @@ class Shards:
         """
         import torch.distributed as dist
 
-        mine = (_host_id(), bus_id, self.digest)
+        mine = (_host_id(), bus_id, self.digest, self.firsts)
         everyone: list[Any] = [None] * len(self.ranks)
         dist.all_gather_object(everyone, mine)
-        hosts = sorted({host for host, _, _ in everyone})
+        hosts = sorted({host for host, _, _, _ in everyone})
         first = next(iter(self.pieces), ("weights",))
         if len(hosts) > 1:
             names = ", ".join(h.split("/")[0] for h in hosts)
@@ -178,13 +186,22 @@ class Shards:
                 "a sharded publisher writes one host's shared memory; publish per host (see "
                 "docs/multi-host.md)"
             )
-        other = [r for r, (_, _, d) in zip(self.ranks, everyone, strict=True) if d != self.digest]
+        other = [
+            r for r, (_, _, d, _) in zip(self.ranks, everyone, strict=True) if d != self.digest
+        ]
         if other:
             raise TypeError(
                 f"ranks {other} laid their weights out otherwise than rank {self.rank}: every "
                 "rank must build the same model (keys, full shapes, dtypes) and Publisher"
             )
         self.bus_id = everyone[0][1]
+        # a DTensor on a submesh (FSDP2's dp mesh inside a 2D one, for the tensors TP left
+        # alone) has a replica on every other submesh: the lowest one writes it
+        self.elsewhere = frozenset(
+            key
+            for key, first in self.firsts.items()
+            if first > min(theirs.get(key, first) for _, _, _, theirs in everyone)
+        )
 
 
 @dataclass(frozen=True)
@@ -209,7 +226,9 @@ class ShardWriter:
                     self._plans.append(_Plan(spec.key, None, spec.shape, (), 0, spec.nbytes))
                 continue
             args = (spec.shape, piece.placements, piece.mesh, piece.coordinate)
-            if not _slices.writes(piece.placements, piece.coordinate):
+            if spec.key in shards.elsewhere or not _slices.writes(
+                piece.placements, piece.coordinate
+            ):
                 continue  # a replica another rank writes
             boxes = tuple(
                 (
