@@ -11,6 +11,16 @@
   model's tensors view one storage of their own, bound once, and a version switch
   moves that storage to the other slot's bytes (`Switch`): one call per version,
   whatever the number of tensors.
+
+A tensor-parallel worker's model holds DTensors (`parallelize_module` over the worker
+group's ranks); each rank takes only its slice of each full tensor in the slot
+(`_shard_reads.Slices`, found once at bind; a plain model has none and pays nothing
+per version). copy: the slice's bytes are copied into the DTensor's local shard, in the
+same byte-copy plan as the plain tensors. alias: a slice that is one byte range becomes
+the local shard itself (its ``.data`` is set to a view of the slot; the DTensor and its
+Parameter stay the same objects); a slice that is not (a column shard of a row-major
+weight) is copied into the shard, and the seqlock is read again after it. No `Switch`
+then: every version binds each tensor.
 """
 
 from __future__ import annotations
@@ -18,7 +28,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping
 from functools import partial
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch.utils.dlpack import from_dlpack
@@ -34,6 +44,10 @@ from ._layout import (
     to_tensordict,
     torch_dtype,
 )
+from ._tensor_kinds import is_dtensor
+
+if TYPE_CHECKING:
+    from ._shard_reads import Slices
 
 __all__ = ["Switch", "Target", "slot_views"]
 
@@ -83,21 +97,28 @@ class Target:
                 for s in layout.specs
             }
         else:
-            self.tensors = flatten(model)
+            self.tensors = flatten(model, sharded=True)  # a DTensor: this rank's slice
             try:
                 layout.check(self.tensors, whose="it has", advice=_WORKER_ADVICE)
             except LayoutMismatch as exc:
                 raise LayoutMismatch(f"the model does not match the bus: {exc}") from None
-            if flat and mode == "copy":
+        # a tensor-parallel model's DTensors (None: a plain model, the usual case)
+        self.slices = _slices_of(self.tensors, model, mode) if model is not None else None
+        if model is not None and flat and mode == "copy":
+            if self.slices is None:
                 self._flatten_model()
+            else:
+                log.info("copy mode keeps a tensor-parallel model's tensors where they are")
         # per slot view mapping (kept alive in the tuple, so its id is not reused)
         self._copy_plans: dict[int, tuple[Mapping[Key, torch.Tensor], CopyPlan]] = {}
         self._subset_plans: dict[
             tuple[int, frozenset[Key]], tuple[Mapping[Key, torch.Tensor], CopyPlan]
         ] = {}
-        self._binders: dict[int, tuple[Mapping[Key, torch.Tensor], _Binders]] = {}
+        self._binders: dict[int, _SlotBinding] = {}
         self.switch: Switch | None = None  # alias mode on the CPU, once a slot was aliased
-        self._no_switch = _SWAP_DATA_PTR is None or mode != "alias"  # then: per tensor
+        self._no_switch = self._switchless()  # then: per tensor
+        # alias mode: some slices are copied, not aliased (the reader checks the seqlock)
+        self.copies_slices = False
         if mode == "alias":
             wrong = sorted(
                 {
@@ -135,9 +156,28 @@ class Target:
             return
         plan = self._copy_plans.get(id(views))
         if plan is None or plan[0] is not views or not plan[1].still_valid():
-            plan = (views, CopyPlan.of(self.tensors, views))
+            plan = (views, self._plan_copies(self.tensors, views))
             self._copy_plans[id(views)] = plan
         plan[1].run()
+
+    def _plan_copies(
+        self, dsts: Mapping[Key, torch.Tensor], views: Mapping[Key, torch.Tensor]
+    ) -> CopyPlan:
+        """The copies of `dsts` from `views`: a DTensor's as its slice's byte ranges into
+        its local shard (`slice_moves`), in the same native call as the plain ones."""
+        slices = self.slices
+        if slices is None:
+            return CopyPlan.of(dsts, views)
+        from ._shard_reads import slice_moves
+
+        pieces, local = slices.pieces, slices.locals
+        plain = {key: t for key, t in dsts.items() if key not in pieces}
+        sliced = [
+            (local[key], slice_moves(views[key], local[key], pieces[key]))
+            for key in dsts
+            if key in pieces
+        ]
+        return CopyPlan.of(plain, views, sliced)
 
     def copier(self, views: list[dict[Key, torch.Tensor]]) -> Callable[[int], bool]:
         """``copy(slot)``: copy slot `slot` of `views` whole (what a follower calls in
@@ -192,7 +232,7 @@ class Target:
             if len(self._subset_plans) > 64:  # the few subsets a trainer publishes
                 self._subset_plans.clear()
             mine = {k: t for k, t in self.tensors.items() if k in keys}
-            cached = (views, CopyPlan.of(mine, views))
+            cached = (views, self._plan_copies(mine, views))
             self._subset_plans[(id(views), keys)] = cached
         cached[1].run()
 
@@ -214,16 +254,40 @@ class Target:
         elif not self._no_switch and self._switch_to(views, slot):
             return
         at = views[slot]
-        binders = self._binders.get(id(at))
-        if binders is None or binders[0] is not at:
-            binders = (at, _binders(self.model, at))
-            self._binders[id(at)] = binders
-        params, stores = binders[1]
+        binding = self._binders.get(id(at))
+        if binding is None or binding[0] is not at:
+            binding = self._binding(at)
+            self._binders[id(at)] = binding
+        _, (params, stores), copies, tensors = binding
         for param, view in params:
             param.data = view
         for store, view in stores:
             store(view)
-        self.tensors = at  # the slot's views, built once and never changed: no copy
+        if copies is not None:
+            copies.run()
+        self.tensors = tensors  # the slot's views, built once and never changed: no copy
+
+    def _binding(self, at: dict[Key, torch.Tensor]) -> _SlotBinding:
+        """How to point the model at the slot `at` (see `_SlotBinding`): a DTensor's
+        local shard is rebound to its slice where that is one byte range, else its slice
+        is copied into it."""
+        slices = self.slices
+        if slices is None:
+            return (at, _binders(self.model, at), None, at)
+        from ._shard_reads import slice_moves, slice_view
+
+        pieces = slices.pieces
+        params, stores = _binders(self.model, {k: v for k, v in at.items() if k not in pieces})
+        sliced: list[tuple[torch.Tensor, list[tuple[int, int, int]]]] = []
+        for key, piece in pieces.items():
+            inner, view = slices.inner[key], slice_view(at[key], piece)
+            if view is None:
+                sliced.append((inner, slice_moves(at[key], inner, piece)))
+            else:
+                params.append((inner, view))
+        self.copies_slices = bool(sliced)
+        copies = CopyPlan.of({}, {}, sliced) if sliced else None
+        return (at, (params, stores), copies, {**at, **slices.owned})
 
     def _switch_to(self, views: list[dict[Key, torch.Tensor]], slot: int) -> bool:
         """Bind the model to a `Switch` at `slot`; False where none can be made (views
@@ -249,7 +313,12 @@ class Target:
         if self.switch is not None:
             self.switch.active = False
         self.switch = None
-        self._no_switch = _SWAP_DATA_PTR is None or self.mode != "alias"
+        self._no_switch = self._switchless()
+
+    def _switchless(self) -> bool:
+        """Whether a version binds every tensor (no `Switch`): no pointer swap in this
+        torch, copy mode, or DTensors (their local shards are bound one by one)."""
+        return _SWAP_DATA_PTR is None or self.mode != "alias" or self.slices is not None
 
     def weights(self) -> Any:
         return to_tensordict(self.tensors)
@@ -433,6 +502,38 @@ def _binders(model: Any, views: Mapping[Key, torch.Tensor]) -> _Binders:
         for key, view in views.items():
             stores.append((partial(_td_set, model, key if len(key) > 1 else key[0]), view))
     return params, stores
+
+
+# An aliased slot, bound once: the slot's views (kept, so their id is not reused), the
+# binders, the copies of slices that are not one byte range (None: none), and what
+# `Target.tensors` is then.
+_SlotBinding = tuple[
+    Mapping[Key, torch.Tensor], _Binders, "CopyPlan | None", dict[Key, torch.Tensor]
+]
+
+
+def _slices_of(flat: Mapping[Key, torch.Tensor], model: Any, mode: str) -> Slices | None:
+    """A model's DTensors (`Slices`), or None for a plain model (one type lookup per
+    tensor, at bind only).
+
+    Raises:
+        TypeError: alias mode with DTensors in something else than an nn.Module (their
+            shards are rebound through the module's own objects), or as `Slices.of`.
+    """
+    if not any(map(is_dtensor, flat.values())):
+        return None
+    from ._shard_reads import Slices
+
+    owners = None
+    if mode == "alias":
+        if not isinstance(model, torch.nn.Module):
+            first = next(k for k, t in flat.items() if is_dtensor(t))
+            raise TypeError(
+                f"{'.'.join(first)!r} is a DTensor in a {type(model).__name__}: alias mode "
+                "binds the DTensors of an nn.Module; pass the module, or use Copies()"
+            )
+        owners = flatten(model, detach=False, sharded=True)
+    return Slices.of(flat, owners)
 
 
 def _td_set(td: Any, key: Any, view: torch.Tensor) -> None:

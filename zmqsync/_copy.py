@@ -283,9 +283,20 @@ class CopyPlan:
     other: _Pairs  # across devices (the CUDA transport's fallback), conj/neg: one by one
 
     @classmethod
-    def of(cls, dsts: Mapping[Key, torch.Tensor], views: Mapping[Key, torch.Tensor]) -> CopyPlan:
+    def of(
+        cls,
+        dsts: Mapping[Key, torch.Tensor],
+        views: Mapping[Key, torch.Tensor],
+        sliced: Iterable[tuple[torch.Tensor, list[tuple[int, int, int]]]] = (),
+    ) -> CopyPlan:
+        """`sliced`: destinations filled by byte copies planned elsewhere (a tensor-
+        parallel worker's slices, `_shard_reads.slice_moves`), run in the same native
+        call and revalidated like the others."""
         moved: list[torch.Tensor] = []
         moves: list[tuple[int, int, int]] = []
+        for dst, more in sliced:
+            moved.append(dst)
+            moves.extend(more)
         small: _Pairs = ([], [])
         other: _Pairs = ([], [])
         for key, dst in dsts.items():
@@ -304,7 +315,7 @@ class CopyPlan:
                 pairs = small if dst.device == src.device and plain else other
                 pairs[0].append(dst)
                 pairs[1].append(src)
-        addresses = [dst for dst, _, _ in moves]
+        addresses = list(map(_DATA_PTR, moved))
         return cls(moved, addresses, ByteCopies(moves), small, other)
 
     def still_valid(self) -> bool:

@@ -352,7 +352,8 @@ class Reader:
     def _prefers(self) -> str:
         """Where this worker computes: "cuda", "cpu", or "any" (no model, no device)."""
         if self.model is not None:
-            return "cuda" if any(t.is_cuda for t in flatten(self.model).values()) else "cpu"
+            tensors = flatten(self.model, sharded=True).values()  # DTensors: a TP worker
+            return "cuda" if any(t.is_cuda for t in tensors) else "cpu"
         device = self.reads.device
         if device is not None:
             return "cuda" if torch.device(device).type == "cuda" else "cpu"
@@ -466,6 +467,10 @@ class AliasReader(Reader):
         target.alias_to(self.views, slot)
         if self.sync_devices:  # no queued work reads the old slot
             synchronize(self.sync_devices)
+        if target.copies_slices:  # DTensor slices copied, not aliased: read whole?
+            assert self.attachment is not None
+            if not self.attachment.header.read_valid(slot, counter):
+                return TORN
         return (slot, counter)
 
     def torn(self, held: tuple[int, int] | None, attachment: CpuAttachment | None) -> bool:

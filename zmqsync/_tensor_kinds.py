@@ -8,8 +8,8 @@ where the weights come in (`flatten` at a publisher's or a worker's start), and 
 by name with what to do instead.
 
 A DTensor is the one subclass with a meaning here: a publisher built from DTensors is
-collective over their mesh (see `_shards`). Anywhere it is not expected, it is refused
-like the others.
+collective over their mesh (see `_shards`), and a worker's model of DTensors takes its
+slices (see `_shard_reads`). Anywhere it is not expected, it is refused like the others.
 
 A publish re-reads the weights every time: there only the type is compared (`odd_type`,
 one lookup per tensor), which is what would crash the copy.
@@ -73,8 +73,9 @@ def _odd_subclass(tensor: torch.Tensor, sharded: bool) -> str | None:
         if sharded:
             return None
         return (
-            "is a DTensor: a Publisher takes DTensors (each rank writes its shards), a "
-            "worker's model takes plain tensors for now (full_tensor(), or a full state_dict)"
+            "is a DTensor: a Publisher takes DTensors (each rank writes its shards) and a "
+            "worker's model may hold them (each rank takes its slice); here plain tensors "
+            "are expected (full_tensor(), or a full state_dict)"
         )
     if kind.__name__ == "NestedTensor":
         return "is a nested tensor; send its components (unbind()) as plain tensors"

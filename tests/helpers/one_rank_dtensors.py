@@ -3,8 +3,9 @@
     python tests/helpers/one_rank_dtensors.py NAME
 
 A world of one is enough to check what a DTensor publisher refuses, by name, without a
-crash: a Partial placement, another `writes=` than Copy(), ``publish(keys=...)``, and a
-worker whose model holds DTensors; and that a one-rank mesh publishes as any bus.
+crash: a Partial placement, another `writes=` than Copy(), ``publish(keys=...)``; that a
+one-rank mesh publishes as any bus, and that a worker whose model holds DTensors takes
+its slice.
 """
 
 from __future__ import annotations
@@ -64,9 +65,12 @@ def main() -> int:
         same = bool(torch.equal(sub.weights["w"], full + 1))
         sub.close()
         _say("one-rank", version=pub.version, applied=got, same=same)
-        try:
-            zmqsync.Subscriber(name=name, model={"w": worker.weight}, timeout=10).start()
-            _say("worker")
+        try:  # a worker's model of DTensors takes its slice (here: all of it)
+            model = {"w": worker.weight, "b": torch.zeros(2)}
+            with zmqsync.Subscriber(name=name, model=model, timeout=10):
+                with torch.no_grad():
+                    took = bool(torch.equal(worker.weight.to_local(), full + 1))
+            _say("worker", took=took)
         except Exception as exc:
             _say("worker", exc)
     dist.destroy_process_group()
