@@ -40,10 +40,11 @@ def workers():
     """launch(name, mode) -> the worker group's rank processes, killed at teardown."""
     procs: list[Proc] = []
 
-    def launch(name: str, mode: str) -> list[Proc]:
+    def launch(name: str, mode: str, native: bool = True) -> list[Proc]:
         port = str(_free_port())
         for rank in range(RANKS):
             env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(RANKS), LOCAL_RANK=str(rank))
+            env["ZMQSYNC_NATIVE"] = "1" if native else "0"
             env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1")
             procs.append(Proc([sys.executable, "-m", WORKER, name, mode], env))
         return procs
@@ -72,12 +73,18 @@ def _check(full: TpNet, record: dict, rank: int) -> None:
     assert record["same_params"], "the Parameters must stay the same objects"
 
 
-@pytest.mark.parametrize("mode", ["copy", "alias"])
-def test_tp_workers_take_their_slices_of_every_version(workers, name, mode):
+@pytest.mark.parametrize(
+    ("mode", "native"),
+    [("copy", True), ("copy", False), ("alias", True)],
+    ids=["copy", "copy-python", "alias"],
+)
+def test_tp_workers_take_their_slices_of_every_version(workers, name, mode, native):
+    """`native`: the workers' copies and follower are the native ones (False: Python's,
+    ZMQSYNC_NATIVE=0); in copy mode a follower takes the versions after the first."""
     torch.manual_seed(0)
     full = TpNet()
     with zmqsync.Publisher(full, name=name, timeout=60) as pub:
-        procs = workers(name, mode)
+        procs = workers(name, mode, native)
         for proc in procs:  # joined: version 0, applied at start
             _seen(proc, 0)
         assert pub.wait_for_workers(RANKS, timeout=30)
@@ -98,6 +105,10 @@ def test_tp_workers_take_their_slices_of_every_version(workers, name, mode):
                         seen.add(record["locals"][key]["ptr"])
     for proc in procs:
         assert proc.finish(60) == 0, proc.stderr[-3000:]
+        counters = proc.wait_for(lambda r: r.get("event") == "done")["counters"]
+        assert counters["applied"] == len(versions)
+        if mode == "copy" and native:
+            assert counters["native"] == len(versions) - 1, counters
     # copy mode fills the shards in place; alias mode binds fc1.weight (its row slice is
     # one byte range) to each slot's bytes and copies fc2.weight's column slice
     assert len(pointers["fc2.weight"]) == 1

@@ -9,8 +9,9 @@ ColwiseParallel, fc2 RowwiseParallel, odd ColwiseParallel on an odd shape) and
 subscribes with ``Subscriber(name=NAME, model=model, worker_id=f"tp{rank}")``. After
 each version it prints its local shards (``to_local()``, as lists: float32 values are
 exact in JSON) and the output of a forward pass of the TP model on a fixed input (a
-collective: every rank runs it for every version, in order). It exits 0 once the
-publisher closes the bus. JSON lines on stdout.
+collective: every rank runs it for every version, in order). Once the publisher closes
+the bus it prints its counters and exits 0. JSON lines on stdout; ZMQSYNC_NATIVE=0 in
+its environment: the Python copies and follower.
 """
 
 from __future__ import annotations
@@ -67,6 +68,8 @@ def main() -> int:
             same = {key: id(p) for key, p in model.named_parameters()} == params
             _say(event="seen", rank=rank, version=reported, locals=_locals(model),
                  out=out.tolist(), same_params=same)  # fmt: skip
+        counters = sub.counters
+    _say(event="done", rank=rank, counters=counters)
     dist.destroy_process_group()
     return 0
 
