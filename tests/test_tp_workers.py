@@ -4,7 +4,9 @@ subscribed to a plain trainer's bus, in Copies() and Aliases(). After every vers
 rank's local shards equal its slice of the trainer's full tensors, bit for bit, and a
 forward pass through the TP model gives the full model's output.
 
-The trainer is this process; the ranks are `tests/helpers/tp_worker.py`.
+The trainer is this process; the ranks are `tests/helpers/tp_worker.py`. Any layout in,
+any layout out: a sharded trainer (FSDP2, `tests/helpers/shard_trainer.py`) feeds the
+same TP workers, whose shards gather into the trainer's full state dict, bit for bit.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 import zmqsync
 from tests.conftest import Proc
 from tests.helpers.tp_model import INPUT, TpNet
-from tests.test_shards import _free_port
+from tests.test_shards import _event, _free_port, _run, ranks  # noqa: F401 (the trainer's ranks)
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 
@@ -40,13 +42,13 @@ def workers():
     """launch(name, mode) -> the worker group's rank processes, killed at teardown."""
     procs: list[Proc] = []
 
-    def launch(name: str, mode: str, native: bool = True) -> list[Proc]:
+    def launch(name: str, mode: str, native: bool = True, kind: str = "tp") -> list[Proc]:
         port = str(_free_port())
         for rank in range(RANKS):
             env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(RANKS), LOCAL_RANK=str(rank))
             env["ZMQSYNC_NATIVE"] = "1" if native else "0"
             env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1")
-            procs.append(Proc([sys.executable, "-m", WORKER, name, mode], env))
+            procs.append(Proc([sys.executable, "-m", WORKER, name, mode, kind], env))
         return procs
 
     yield launch
@@ -113,3 +115,24 @@ def test_tp_workers_take_their_slices_of_every_version(workers, name, mode, nati
     # one byte range) to each slot's bytes and copies fc2.weight's column slice
     assert len(pointers["fc2.weight"]) == 1
     assert (len(pointers["fc1.weight"]) > 1) == (mode == "alias")
+
+
+@pytest.mark.parametrize("mode", ["copy", "alias"])
+def test_an_fsdp2_trainer_feeds_tp_workers(ranks, workers, tmp_path, name, mode):  # noqa: F811
+    """2 FSDP2 ranks publish; 2 TP ranks each take their slices of every version: the
+    full tensors their shards gather into are the trainer's full state dict."""
+    procs, host, _, gate = _run(ranks, None, tmp_path, name, 2, "fsdp", root=True,
+                                extra=("--workers", str(RANKS)))  # fmt: skip
+    group = workers(name, mode, kind="shard-net")
+    want = host.wait_for(_event("version", version=0), timeout=60)["digest"]
+    for proc in group:
+        assert proc.wait_for(_event("seen", version=0), timeout=120)["digest"] == want
+    (gate / "0").touch()
+    for version in range(1, 4):
+        want = host.wait_for(_event("version", version=version), timeout=120)["digest"]
+        for proc in group:
+            seen = proc.wait_for(_event("seen", version=version), timeout=120)
+            assert seen["digest"] == want, f"version {version} on rank {seen['rank']}"
+        (gate / str(version)).touch()
+    for proc in [*procs, *group]:
+        assert proc.finish(60) == 0, proc.stderr[-3000:]
