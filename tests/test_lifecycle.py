@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import gc
 import os
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -120,3 +122,24 @@ def test_no_agent_waits_on_an_inline_number():
     for path in ("relay/_root_agent.py", "relay/_host_agent.py"):
         text = (root / path).read_text()
         assert not inline.search(text), f"{path}: {inline.search(text)}"
+
+
+def test_objects_left_to_interpreter_exit_are_finalized_without_noise(name, tmp_path):
+    """A started publisher and worker still referenced when the interpreter exits (a
+    vLLM worker process ends so): closed at exit, and their finalizers, which may run
+    after the module's globals are gone, print nothing."""
+    script = tmp_path / "left.py"
+    script.write_text(
+        "import sys, torch, zmqsync\n"
+        "pub = zmqsync.Publisher({'w': torch.zeros(4)}, name=sys.argv[1]).start()\n"
+        "sub = zmqsync.Subscriber(name=sys.argv[1]).start()\n"
+        "cycle = [pub, sub]\n"
+        "cycle.append(cycle)\n"
+        "print('started', flush=True)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, str(script), name], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert "started" in done.stdout
+    assert "Exception ignored" not in done.stderr and "Traceback" not in done.stderr, done.stderr

@@ -149,13 +149,17 @@ class Lifecycle:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def __del__(self) -> None:
-        if self._state is not State.STARTED:
+    def __del__(self, _started: State = State.STARTED, _warn: Any = warnings.warn) -> None:
+        # bound at definition: at interpreter exit this module's globals may be gone
+        # (None) before the last objects are collected
+        if self._state is not _started:
             return
         unclosed = f"unclosed {self!r}"
-        with contextlib.suppress(Exception):
+        try:
             self.close()
-        warnings.warn(
+        except Exception:  # a finalizer has no caller to raise to
+            pass
+        _warn(
             f"{unclosed}: closed by the garbage collector (use `with` or call close())",
             ResourceWarning,
             stacklevel=1,
