@@ -5,6 +5,7 @@ rank's peak memory, FSDP2 over 2 and 4 ranks (gloo, CPU), 64 MB to 1 GB.
     python -m tools.bench.shards --sizes 64 --ranks 2  # one configuration
     python -m tools.bench.shards --json out.json
     python -m tools.bench.shards --apply             # a TP worker's copy vs a full one
+    python -m tools.bench.shards --readers --sizes 64 256   # TP workers' apply vs full ones
 
 Two ways, alternating in one run, the same model and one copy-mode worker each:
 
@@ -25,7 +26,9 @@ shared segment the rank wrote, which are not the rank's own. So the private memo
 publish (where a gathered copy is still held).
 
 ``--apply`` measures instead, in one process, the copy a tensor-parallel worker's apply
-will make (its slice of every tensor) against a full worker's (`apply_main`).
+makes (its slice of every tensor) against a full worker's (`apply_main`); ``--readers``
+the whole thing as a trainer sees it: a plain trainer's publish, every ack included, to
+2 full workers against a 2-rank tensor-parallel worker group (`apply_workers_main`).
 
 Each rank is this file run as ``--rank`` (torch.distributed's env: RANK, WORLD_SIZE,
 MASTER_ADDR, MASTER_PORT); the worker is ``--worker``.
@@ -200,6 +203,94 @@ def apply_main(sizes: list[int], ranks: list[int], repeats: int) -> list[dict[st
     return rows
 
 
+def _layers(size_mb: int) -> Any:
+    import torch
+
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        *(torch.nn.Linear(4096, 4096, bias=False) for _ in range(size_mb // LAYER_MB))
+    )
+
+
+def reader_main(kind: str, name: str, size_mb: int, mode: str) -> int:
+    """A worker of `apply_workers_main`: "full" (a plain model) or "tp" (one rank of a
+    2-rank tensor-parallel group: even layers ColwiseParallel, odd RowwiseParallel), in
+    Copies() or Aliases(), until the publisher closes."""
+    import zmqsync
+
+    model = _layers(size_mb)
+    worker_id = None
+    if kind == "tp":
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            RowwiseParallel,
+            parallelize_module,
+        )
+
+        dist.init_process_group("gloo", timeout=timedelta(seconds=600))
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        plan = {str(i): ColwiseParallel() if i % 2 == 0 else RowwiseParallel()
+                for i in range(len(model))}  # fmt: skip
+        parallelize_module(model, mesh, plan)
+        worker_id = f"tp{dist.get_rank()}"
+    reads = zmqsync.Aliases() if mode == "alias" else zmqsync.Copies()
+    with zmqsync.Subscriber(
+        name=name, model=model, reads=reads, worker_id=worker_id, timeout=120
+    ) as sub:
+        while not sub.stopped:
+            sub.wait_for_version(sub.version + 1, timeout=1.0)
+    return 0
+
+
+def apply_workers_main(sizes: list[int], publishes: int) -> list[dict[str, Any]]:
+    """A plain trainer's publish (every ack included) to 2 full workers against a 2-rank
+    tensor-parallel worker group, in Copies() and Aliases(): what the workers' applies
+    cost the trainer, side by side."""
+    import torch
+
+    import zmqsync
+
+    rows = []
+    me = [sys.executable, str(Path(__file__).resolve())]
+    for size_mb in sizes:
+        model = _layers(size_mb)
+        for mode in ("copy", "alias"):
+            for kind in ("full", "tp"):
+                name = f"tpw{uuid.uuid4().hex[:6]}"
+                port = str(_free_port())
+                procs: list[subprocess.Popen[bytes]] = []
+                try:
+                    with zmqsync.Publisher(model, name=name, timeout=120) as pub:
+                        for rank in range(2):
+                            env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2",
+                                       MASTER_ADDR="127.0.0.1", MASTER_PORT=port)  # fmt: skip
+                            argv = [*me, "--reader", kind, name, str(size_mb), mode]
+                            procs.append(subprocess.Popen(argv, env=env, cwd=ROOT))
+                        if not pub.wait_for_workers(2, timeout=180):
+                            raise RuntimeError(f"{kind} workers did not join")
+                        times = []
+                        for i in range(publishes + 1):
+                            with torch.no_grad():
+                                model[0].weight.add_(1.0)
+                            started = time.perf_counter()
+                            pub.publish()
+                            if i:
+                                times.append(time.perf_counter() - started)
+                    for proc in procs:  # they leave once the bus closed
+                        proc.wait(timeout=60)
+                finally:
+                    for proc in procs:
+                        if proc.poll() is None:
+                            proc.kill()
+                            proc.wait(timeout=30)
+                rows.append({"size_mb": size_mb, "mode": mode, "workers": kind,
+                             "ms": round(1e3 * statistics.median(times), 2)})  # fmt: skip
+        del model
+    return rows
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -252,12 +343,34 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--rank", nargs=4, metavar=("WAY", "NAME", "MB", "N"), help=argparse.SUPPRESS)
     p.add_argument("--worker", metavar="NAME", help=argparse.SUPPRESS)
+    p.add_argument(
+        "--reader", nargs=4, metavar=("KIND", "NAME", "MB", "MODE"), help=argparse.SUPPRESS
+    )
+    p.add_argument(
+        "--readers",
+        action="store_true",
+        help="instead: a publish to 2 full workers vs a 2-rank TP worker group",
+    )
     args = p.parse_args(argv)
     if args.rank:
         way, name, size_mb, n = args.rank
         return rank_main(way, name, int(size_mb), int(n))
     if args.worker:
         return worker_main(args.worker)
+    if args.reader:
+        kind, name, size_mb, mode = args.reader
+        return reader_main(kind, name, int(size_mb), mode)
+    if args.readers:
+        print(f"{'MB':>5} {'mode':>6} {'2 full workers ms':>18} {'2-rank TP group ms':>19}")
+        rows = apply_workers_main(args.sizes, args.publishes)
+        for size_mb in args.sizes:
+            for mode in ("copy", "alias"):
+                got = {r["workers"]: r["ms"] for r in rows
+                       if r["size_mb"] == size_mb and r["mode"] == mode}  # fmt: skip
+                print(f"{size_mb:>5} {mode:>6} {got['full']:>18.1f} {got['tp']:>19.1f}", flush=True)
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
+        return 0
     if args.apply:
         print(f"{'MB':>5} {'TP':>3} {'full copy ms':>12} {'slice copy ms':>13} {'slice MB':>9}")
         for row in apply_main(args.sizes, args.ranks, args.publishes):
