@@ -64,6 +64,7 @@ OUTPUT: dict[str, str] = {
 }
 
 Figures = dict[str, float]
+MAX_UNNAMED = 16  # a longer list of objects without a text field is read as samples
 
 
 @dataclass
@@ -174,7 +175,7 @@ def _joins(data: dict[str, Any]) -> Figures:
 
 def _leaves(data: Any, path: str = "") -> Iterator[tuple[str, float]]:
     """Every number of a JSON document by its path; a list of numbers by its median, a list
-    of objects by their text fields (or their place when they have none)."""
+    of objects by their text fields (or their place, up to `MAX_UNNAMED` of them)."""
     if isinstance(data, bool) or data is None:
         return
     if isinstance(data, int | float):
@@ -189,6 +190,8 @@ def _leaves(data: Any, path: str = "") -> Iterator[tuple[str, float]]:
         for i, item in enumerate(data):
             names = [str(v) for v in item.values() if isinstance(v, str)] if isinstance(
                 item, dict) else []  # fmt: skip
+            if not names and len(data) > MAX_UNNAMED:
+                return  # samples, not figures: a run's own summary names its figures
             yield from _leaves(item, f"{path}[{' '.join(names) or i}]")
 
 
