@@ -371,20 +371,24 @@ def main(argv: list[str] | None = None) -> int:
                 progress.update(task, description=f"{scenario}: {side.label} ({i + 1})")
                 run_once(side, args.scenario, scenario, args.timeout)
                 progress.advance(task)
+                if args.json:  # after every run: a runner cut short keeps what it measured
+                    _write(args.json, args.scenario, args.rounds, a, b)
     rows = compare(a, b)
     minutes = (time.monotonic() - started) / 60
     report(a, b, rows, f"{' '.join(args.scenario)}: {args.rounds} rounds, {minutes:.0f} min")
-    if args.json:
-        record = {
-            "scenario": args.scenario, "rounds": args.rounds,
-            "sides": [{"label": s.label, "tree": str(s.tree), "python": s.python,
-                       "command": s.command, "figures": s.figures, "failures": s.failures}
-                      for s in (a, b)],
-            "compared": rows,
-        }  # fmt: skip
-        args.json.write_text(json.dumps(record, indent=1))
     return 0 if not (a.failures or b.failures) and rows else 1
 
+
+def _write(path: Path, scenario: list[str], rounds: int, a: Side, b: Side) -> None:
+    """Every run's figures, per side, and the comparison so far."""
+    record = {
+        "scenario": scenario, "rounds": rounds,
+        "sides": [{"label": s.label, "tree": str(s.tree), "python": s.python,
+                   "command": s.command, "figures": s.figures, "failures": s.failures}
+                  for s in (a, b)],
+        "compared": compare(a, b),
+    }  # fmt: skip
+    path.write_text(json.dumps(record, indent=1))
 
 if __name__ == "__main__":
     sys.exit(main())
