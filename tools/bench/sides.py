@@ -390,5 +390,6 @@ def _write(path: Path, scenario: list[str], rounds: int, a: Side, b: Side) -> No
     }  # fmt: skip
     path.write_text(json.dumps(record, indent=1))
 
+
 if __name__ == "__main__":
     sys.exit(main())
