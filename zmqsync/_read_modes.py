@@ -467,7 +467,7 @@ class AliasReader(Reader):
         target.alias_to(self.views, slot)
         if self.sync_devices:  # no queued work reads the old slot
             synchronize(self.sync_devices)
-        if target.copies_slices:  # DTensor slices copied, not aliased: read whole?
+        if target.copies_slices:  # DTensor slices copied, not aliased: rewritten since?
             assert self.attachment is not None
             if not self.attachment.header.read_valid(slot, counter):
                 return TORN

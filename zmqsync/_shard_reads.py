@@ -47,13 +47,19 @@ def slice_moves(
     slice of `view` (the full tensor in a slot).
 
     Raises:
-        ValueError: `local` is not a contiguous tensor of the slice's shape and dtype.
+        ValueError: `local` is not a contiguous tensor of the slice's shape and dtype, or
+            either is not in CPU memory (the copies go by address).
     """
     shape = _slices.local_shape(tuple(view.shape), piece.placements, piece.mesh, piece.coordinate)
     if tuple(local.shape) != shape or local.dtype != view.dtype or not local.is_contiguous():
         raise ValueError(
             f"a slice of {list(shape)} {view.dtype} goes into a contiguous tensor of that shape "
             f"and dtype, not {list(local.shape)} {local.dtype}"
+        )
+    if not (view.is_cpu and local.is_cpu):
+        raise ValueError(
+            f"a slice is copied by address between CPU tensors, not from {view.device} "
+            f"to {local.device}"
         )
     moves, at = [], 0
     src, dst = view.data_ptr(), local.data_ptr()
