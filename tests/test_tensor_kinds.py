@@ -90,4 +90,10 @@ def test_dtensor_cases_in_a_world_of_one_rank(spawn, name):
         "same": True,
     }
     assert got["worker"] == {"case": "worker", "error": None, "took": True}
+    assert got["alias-dict"]["error"] == (
+        "TypeError: 'w' is a DTensor in a dict: alias mode binds the DTensors of an "
+        "nn.Module; pass the module, or use Copies()"
+    )
+    assert got["alias-module"] == {"case": "alias-module", "error": None, "took": True,
+                                   "view": True}  # fmt: skip
     assert all("\n" not in (r["error"] or "") for r in got.values())

@@ -73,6 +73,21 @@ def main() -> int:
             _say("worker", took=took)
         except Exception as exc:
             _say("worker", exc)
+        try:  # alias mode rebinds a module's own DTensor shards: a dict has none
+            zmqsync.Subscriber(name=name, model=model, reads=zmqsync.Aliases(), timeout=10).start()
+            _say("alias-dict")
+        except Exception as exc:
+            _say("alias-dict", exc)
+        holder = torch.nn.Module()
+        holder.w = worker.weight
+        holder.register_buffer("b", torch.zeros(2))
+        with torch.no_grad():
+            own = holder.w.to_local().data_ptr()  # the shard's own memory, before
+        with zmqsync.Subscriber(name=name, model=holder, reads=zmqsync.Aliases(), timeout=10):
+            with torch.no_grad():
+                local = holder.w.to_local()
+                took = bool(torch.equal(local, full + 1)) and holder.w is worker.weight
+            _say("alias-module", took=took, view=local.data_ptr() != own)
     dist.destroy_process_group()
     return 0
 
