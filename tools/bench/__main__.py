@@ -42,6 +42,8 @@ SCENARIOS: dict[str, dict[str, tuple[str, str, str]]] = {
     },
     "vllm": {"": ("vllm", "main",
         "a vLLM engine's update() vs its own reload, disk, pickle; tokens/s")},
+    "shards": {"": ("shards", "main",
+        "a sharded trainer's publish vs gathering first; tensor-parallel readers")},
     "staleness": {"": ("staleness", "main", "max_lag 0/1/2/none: steps/s and lag")},
     "metrics": {"": ("metrics_cost", "main", "what a scraper every 100 ms costs a publish")},
     "storms": {"": ("storms", "main", "a connection or HELLO storm on a bus of this host")},

@@ -1,11 +1,11 @@
 """A sharded trainer's publish, side by side with gathering it first: wall time and each
 rank's peak memory, FSDP2 over 2 and 4 ranks (gloo, CPU), 64 MB to 1 GB.
 
-    python -m tools.bench.shards                       # 64, 256, 1024 MB; 2 and 4 ranks
-    python -m tools.bench.shards --sizes 64 --ranks 2  # one configuration
-    python -m tools.bench.shards --json out.json
-    python -m tools.bench.shards --apply             # a TP worker's copy vs a full one
-    python -m tools.bench.shards --readers --sizes 64 256   # TP workers' apply vs full ones
+    python -m tools.bench shards                       # 64, 256, 1024 MB; 2 and 4 ranks
+    python -m tools.bench shards --sizes 64 --ranks 2  # one configuration
+    python -m tools.bench shards --json out.json
+    python -m tools.bench shards --apply             # a TP worker's copy vs a full one
+    python -m tools.bench shards --readers --sizes 64 256   # TP workers' apply vs full ones
 
 Two ways, alternating in one run, the same model and one copy-mode worker each:
 
@@ -333,7 +333,7 @@ def run_one(way: str, size_mb: int, ranks: int, publishes: int) -> dict[str, Any
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tools.bench.shards", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m tools.bench shards", description=__doc__)
     p.add_argument("--sizes", type=int, nargs="+", default=[64, 256, 1024], help="MB")
     p.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     p.add_argument("--publishes", type=int, default=5)
