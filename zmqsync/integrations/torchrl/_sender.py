@@ -27,6 +27,8 @@ from ._weights import (
     payload,
     per_worker,
     private_copy,
+    refuse_sharded,
+    sharded,
     workers_on_cpu,
 )
 
@@ -136,6 +138,7 @@ class SchemeSender:
     def _start_buses(
         self, source: Any, shared: bool, rendezvous: Rendezvous, model_id: str
     ) -> Rendezvous:
+        self._check_sharded(source, rendezvous)
         name = rendezvous.name or generated_name(model_id)
         shm_dir = resolve_shm_dir(rendezvous.shm_dir)
         if isinstance(source, dict):  # per-worker weights: a bus of its own for each
@@ -159,6 +162,30 @@ class SchemeSender:
             live=live,
             worker_buses=buses,
         )
+
+    @staticmethod
+    def _check_sharded(source: Any, rendezvous: Rendezvous) -> None:
+        """A sharded policy's bus is one Publisher built by every rank together: one name
+        for all of them, and no per-worker buses (each would be a collective of its own,
+        over copies that are not the trainer's shards).
+
+        Raises:
+            TypeError: per-worker weights that hold DTensors.
+            ValueError: DTensor weights and no ``name=`` (a generated name differs on
+                each rank).
+        """
+        if isinstance(source, dict):
+            if any(sharded(s) for s in source.values()):
+                raise TypeError(
+                    "per-worker weights hold DTensors: a sharded policy is published by "
+                    "every rank on one bus; leave per_worker_weights out and give each "
+                    "worker the same weights"
+                )
+        elif sharded(source) and rendezvous.name is None:
+            raise ValueError(
+                "the policy holds DTensors: every rank builds the scheme and they publish "
+                "on one bus; give ZmqWeightSyncScheme(name=...) the same name on every rank"
+            )
 
     def _sources(
         self,
@@ -195,6 +222,7 @@ class SchemeSender:
                     f"{type(found).__name__}, not a module with weights; a policy without "
                     "weights (e.g. RandomPolicy) needs no weight sync scheme"
                 )
+            refuse_sharded(found, context, model_id)
             source, shared = found, workers_on_cpu(context)
         if not per_worker_weights:
             return source, shared
@@ -215,8 +243,14 @@ class SchemeSender:
         options = self._options
         cpu_only = all_on_cpu(source)
         live = options.live
-        if live is None:
-            live = shared and cpu_only and options.mode != "copy" and options.apply == "background"
+        if live is None:  # a sharded bus is written by copies, each rank its shards
+            live = (
+                shared
+                and cpu_only
+                and not sharded(source)
+                and options.mode != "copy"
+                and options.apply == "background"
+            )
         if live and not cpu_only:
             raise ValueError("writes=Live() shares CPU tensors: these weights are on a GPU")
         publisher = Publisher(

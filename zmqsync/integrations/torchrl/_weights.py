@@ -13,6 +13,8 @@ from tensordict import TensorDict, TensorDictBase
 from torch import nn
 from torchrl.weight_update.utils import _resolve_model
 
+from ..._tensor_kinds import is_dtensor
+
 __all__ = [
     "all_on_cpu",
     "check_params_map",
@@ -23,6 +25,8 @@ __all__ = [
     "payload",
     "per_worker",
     "private_copy",
+    "refuse_sharded",
+    "sharded",
     "tensors",
     "workers_on_cpu",
 ]
@@ -108,6 +112,34 @@ def tensors(source: Any) -> Iterable[tuple[str, torch.Tensor]]:
             (".".join(k) if isinstance(k, tuple) else k, v) for k, v in source.items(True, True)
         ]
     return list(source.items())
+
+
+def sharded(source: Any) -> bool:
+    """Whether `source` holds DTensors (FSDP2, tensor parallel): a collective bus."""
+    return any(is_dtensor(t) for _, t in tensors(source))
+
+
+def refuse_sharded(source: Any, context: Any, model_id: str) -> None:
+    """Refuse, in one line, the sharded policies torchrl itself cannot run.
+
+    A multi-process collector ships its policy to worker processes outside the trainer's
+    process group, where a DTensor's forward (an all-gather, a collective) has no group:
+    torchrl's own ``SharedMemWeightSyncScheme`` crashes its workers at start. Checked
+    before any bus starts, so nothing is left behind.
+
+    Raises:
+        TypeError: `source` holds DTensors and `context` is a multi-process collector.
+    """
+    from torchrl.collectors import MultiCollector
+
+    if isinstance(context, MultiCollector) and sharded(source):
+        raise TypeError(
+            f"model {model_id!r} of {type(context).__name__} holds DTensors (FSDP2 or "
+            "tensor parallel): torchrl's worker processes cannot run a sharded policy; "
+            "build the scheme's sender over the trainer's model on every rank "
+            "(init_on_sender(model=...)) and give the collector a plain policy with "
+            "ZmqWeightSyncScheme(name=..., attach=True)"
+        )
 
 
 def all_on_cpu(source: Any) -> bool:
