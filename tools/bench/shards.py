@@ -4,6 +4,7 @@ rank's peak memory, FSDP2 over 2 and 4 ranks (gloo, CPU), 64 MB to 1 GB.
     python -m tools.bench shards                       # 64, 256, 1024 MB; 2 and 4 ranks
     python -m tools.bench shards --sizes 64 --ranks 2  # one configuration
     python -m tools.bench shards --json out.json
+    python -m tools.bench shards --plot docs/bench/shards.json   # shards.png beside it
     python -m tools.bench shards --apply             # a TP worker's copy vs a full one
     python -m tools.bench shards --readers --sizes 64 256   # TP workers' apply vs full ones
 
@@ -332,12 +333,51 @@ def run_one(way: str, size_mb: int, ranks: int, publishes: int) -> dict[str, Any
                 proc.wait(timeout=30)
 
 
+def plot(rows_json: Path) -> Path:
+    """The sharded publish against gathering first, from a ``--json`` run: wall time and
+    the private memory of the rank that holds the most, per size and rank count."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = json.loads(rows_json.read_text())
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for ranks, marker in ((2, "o"), (4, "s")):
+        for way, style in (("sharded", "-"), ("gather", "--")):
+            mine = sorted(
+                (r for r in rows if r["ranks"] == ranks and r["way"] == way),
+                key=lambda r: r["size_mb"],
+            )
+            if not mine:
+                continue
+            sizes = [r["size_mb"] for r in mine]
+            label = f"{way}, {ranks} ranks"
+            left.plot(sizes, [r["ms"][0] for r in mine], style, marker=marker, label=label)
+            right.plot(
+                sizes, [max(r["private_mb"]) for r in mine], style, marker=marker, label=label
+            )
+    for ax, what in ((left, "publish, rank 0 (ms)"), (right, "largest rank's private memory (MB)")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("model (MB)")
+        ax.set_ylabel(what)
+        ax.grid(True, which="both", alpha=0.3)
+    left.legend(fontsize=8)
+    fig.suptitle("A sharded trainer's publish vs get_model_state_dict(full) + publish")
+    fig.tight_layout()
+    out = rows_json.with_suffix(".png")
+    fig.savefig(out, dpi=110)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tools.bench shards", description=__doc__)
     p.add_argument("--sizes", type=int, nargs="+", default=[64, 256, 1024], help="MB")
     p.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     p.add_argument("--publishes", type=int, default=5)
     p.add_argument("--json", default=None, help="write the rows here too")
+    p.add_argument("--plot", metavar="JSON", help="draw a --json run's rows (needs matplotlib)")
     p.add_argument(
         "--apply", action="store_true", help="instead: a TP worker's slice copy vs a full copy"
     )
@@ -352,6 +392,9 @@ def main(argv: list[str] | None = None) -> int:
         help="instead: a publish to 2 full workers vs a 2-rank TP worker group",
     )
     args = p.parse_args(argv)
+    if args.plot:
+        print(plot(Path(args.plot)))
+        return 0
     if args.rank:
         way, name, size_mb, n = args.rank
         return rank_main(way, name, int(size_mb), int(n))
