@@ -3,7 +3,8 @@ trainer builds ``ZmqWeightSyncScheme(name=...)``'s sender over its DTensor polic
 calls ``send()``; a receiver in another process (the scheme's receiver side, a plain
 policy) gets every version bit-exact against the trainer's own
 ``get_model_state_dict(full_state_dict=True)``. What torchrl cannot run (a multi-process
-collector holding a DTensor policy) is refused in one line, before any bus starts.
+collector holding a DTensor policy) is refused in one line, before any bus starts; a
+single collector that runs the policy in the trainer's own process is served.
 
 Real processes, as in `tests/test_shards.py`: the ranks (gloo on localhost) and the
 receiver are this file run as a script (``rank``, ``receiver``, ``refusals``); the model
@@ -89,6 +90,7 @@ def test_what_torchrl_cannot_run_is_refused_in_one_line(spawn, name, bus_dirs):
     assert cases["no name"]["error"].startswith("ValueError: the policy holds DTensors")
     assert cases["per-worker"]["error"].startswith("TypeError: per-worker weights hold DTensors")
     assert all("\n" not in r["error"] for r in cases.values())
+    assert cases["single collector"]["error"] == ""
     _, shm = bus_dirs
     assert not [f for f in os.listdir(shm) if not f.startswith(".")], "a bus was left behind"
 
@@ -189,7 +191,7 @@ def _refusals(name: str) -> int:
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from torchrl.collectors import MultiSyncCollector
+    from torchrl.collectors import Collector, MultiSyncCollector
     from torchrl.testing.mocking_classes import ContinuousActionVecMockEnv
 
     from zmqsync.integrations.torchrl import ZmqWeightSyncScheme
@@ -222,10 +224,22 @@ def _refusals(name: str) -> int:
         )  # fmt: skip
         collector.shutdown()
 
+    def single() -> None:  # torchrl runs it in this process: the scheme serves it
+        with ZmqWeightSyncScheme(name=f"{name}-single") as scheme:
+            collector = Collector(
+                ContinuousActionVecMockEnv(), policy(), frames_per_batch=10, total_frames=-1,
+                weight_sync_schemes={"policy": scheme},
+            )  # fmt: skip
+            next(iter(collector))
+            collector.update_policy_weights_()
+            assert scheme.version == 1, scheme.version
+            collector.shutdown()
+
     def scheme_over(scheme: ZmqWeightSyncScheme) -> None:
         with scheme:
             scheme.init_on_sender(model_id="policy", model=policy())
 
+    case("single collector", single)
     case("multi-process collector", multi)
     case("no name", lambda: scheme_over(ZmqWeightSyncScheme()))
 
