@@ -42,6 +42,13 @@ each holding only its own state:
   Elsewhere, and with ``writes=Copy()`` given, versions are atomic copies.
 * **Per-worker weights** (``per_worker_weights=True``, distinct policy factories, or a
   ``params_map`` of distinct TensorDicts): one bus per worker, ``<name>-<i>``.
+* **Sharded trainers.** A policy whose tensors are DTensors (FSDP2, tensor parallel) is
+  published by every rank together: each rank builds the scheme with the same ``name=``
+  and ``init_on_sender(model=...)`` (a collective, as ``zmqsync.Publisher`` is), then
+  calls ``send()``; the lowest rank hosts the bus and waits as ``sync`` says, the others
+  write their shards and return once the version is announced. Receivers get full
+  tensors. A multi-process collector holding a DTensor policy is refused (torchrl's
+  workers cannot run one).
 * **Lifetime.** torchrl never shuts a scheme down: a scheme dropped with its collector
   closes its buses when it is garbage-collected (reference cycles included).
 """
@@ -260,9 +267,14 @@ class ZmqWeightSyncScheme(WeightSyncScheme):  # type: ignore[misc]
         ``devices``, ``num_workers`` and ``ctx`` are accepted and ignored: the buffer is
         on the CPU and each worker copies to its own device.
 
+        A model (or weights) holding DTensors starts a collective bus: every rank of the
+        trainer calls this at the same moment, with the same ``name=``.
+
         Raises:
             ValueError: nothing to publish was given, or ``params_map`` is not a
-                ``{worker_idx: TensorDict}`` alone.
+                ``{worker_idx: TensorDict}`` alone; DTensor weights and no ``name=``.
+            TypeError: a multi-process collector whose policy holds DTensors, or
+                per-worker weights that do.
         """
         if self._sender is not None:
             return
@@ -306,11 +318,20 @@ class ZmqWeightSyncScheme(WeightSyncScheme):  # type: ignore[misc]
             worker_ids: torchrl worker indices (or zmqsync worker ids) that must apply
                 this version before ``send`` returns; the others receive it too.
 
+        A sharded policy (DTensors): every rank calls ``send()`` as often as the others.
+        The host rank (the lowest) waits as ``sync`` says and its ``last_publish`` has
+        the acks; another rank writes its shards and returns once the version is
+        announced, its ``last_publish`` with the version and no acks (``sync`` and
+        ``worker_ids`` wait nowhere there).
+
         Raises:
             PublishTimeout: with on_timeout="raise", workers did not apply the version
                 within ``timeout`` (``.missing`` names them).
             LayoutMismatch: ``weights`` differ from the bus's keys, shapes or dtypes.
             RuntimeError: no ``init_on_sender()`` before.
+            ZmqSyncError: a sharded policy, and another rank died, stalled past
+                ``timeout`` or failed its own ``send()`` (every rank is told; workers keep
+                the last complete version).
         """
         if self._options.attach:
             log.debug("update_policy_weights_() on an attached bus: the trainer publishes")
