@@ -125,7 +125,8 @@ def refuse_sharded(source: Any, context: Any, model_id: str) -> None:
     A multi-process collector ships its policy to worker processes outside the trainer's
     process group, where a DTensor's forward (an all-gather, a collective) has no group:
     torchrl's own ``SharedMemWeightSyncScheme`` crashes its workers at start. Checked
-    before any bus starts, so nothing is left behind.
+    before any bus starts, and before torchrl starts the collector's workers: nothing is
+    left behind.
 
     Raises:
         TypeError: `source` holds DTensors and `context` is a multi-process collector.
