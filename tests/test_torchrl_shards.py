@@ -1,14 +1,16 @@
 """The torchrl scheme over a sharded trainer: every rank of an FSDP2 (or tensor-parallel)
 trainer builds ``ZmqWeightSyncScheme(name=...)``'s sender over its DTensor policy and
-calls ``send()``; a receiver in another process (the scheme's receiver side, a plain
-policy) gets every version bit-exact against the trainer's own
+calls ``send()``; a receiver in another process (the scheme's receiver side alone, or a
+torchrl ``Collector`` given it as ``weight_recv_schemes``; a plain policy) gets every
+version bit-exact against the trainer's own
 ``get_model_state_dict(full_state_dict=True)``. What torchrl cannot run (a multi-process
 collector holding a DTensor policy) is refused in one line, before any bus starts; a
 single collector that runs the policy in the trainer's own process is served.
 
 Real processes, as in `tests/test_shards.py`: the ranks (gloo on localhost) and the
 receiver are this file run as a script (``rank``, ``receiver``, ``refusals``); the model
-and its sharding are `tests/helpers/shard_trainer.py`'s.
+is shard_trainer's shape sized for torchrl's mock env, sharded by
+`tests/helpers/shard_trainer.py`'s ``_shard``.
 """
 
 from __future__ import annotations
@@ -50,18 +52,22 @@ def ranks():
         proc.kill()
 
 
-@pytest.mark.parametrize(("kind", "sync"), [("fsdp", "true"), ("tp", "1")])
+@pytest.mark.parametrize(
+    ("kind", "sync", "side"),
+    [("fsdp", "true", "scheme"), ("tp", "1", "scheme"), ("fsdp", "true", "collector")],
+)
 def test_every_rank_sends_and_a_receiver_gets_the_full_state_dict(
-    ranks, spawn, tmp_path, name, kind, sync
+    ranks, spawn, tmp_path, name, kind, sync, side
 ):
     """sync=True: the host's send() returns once the receiver applied the version;
-    sync=1 (bounded staleness) is accepted on every rank and waits only on the host."""
+    sync=1 (bounded staleness) is accepted on every rank and waits only on the host.
+    The receiver is the scheme's receiver side alone, or a torchrl `Collector`."""
     gate = tmp_path / "gate"
     gate.mkdir()
     procs = ranks(2, name, kind, sync, str(gate))
     host = procs[0]
     host.wait_for(_event("started"), timeout=120)
-    receiver = spawn(SCRIPT, "receiver", name, module="")
+    receiver = spawn(SCRIPT, "receiver", name, side, module="")
     assert (
         receiver.wait_for(_event("seen", version=0), timeout=120)["digest"]
         == (host.wait_for(_event("version", version=0), timeout=60)["digest"])
@@ -113,6 +119,51 @@ def _gate(directory: str, version: int, timeout: float = 120.0) -> None:
         time.sleep(0.01)
 
 
+OBS = 7  # ContinuousActionVecMockEnv's observation and action sizes
+
+
+def _policy():
+    """A torchrl policy around shard_trainer's model shape, sized for the mock env:
+    norm(7) -> fc1(7 -> 30) -> relu -> fc2(30 -> 7), and two buffers (int64, bf16)."""
+    import torch
+    from tensordict.nn import TensorDictModule
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm = torch.nn.LayerNorm(OBS)
+            self.fc1 = torch.nn.Linear(OBS, 30)
+            self.fc2 = torch.nn.Linear(30, OBS)
+            self.register_buffer("steps", torch.zeros((), dtype=torch.int64))
+            self.register_buffer("scale", torch.ones(5, dtype=torch.bfloat16))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.tanh(self.fc2(torch.relu(self.fc1(self.norm(x)))))
+
+    return TensorDictModule(Net(), in_keys=["observation"], out_keys=["action"])
+
+
+def _step(policy, opt, step: int, kind: str) -> None:
+    """A training step (FSDP2: forward, backward, SGD; tensor parallel: each rank's shards
+    moved directly, as in shard_trainer), and the buffers changed."""
+    import torch
+
+    net = policy.module
+    g = torch.Generator().manual_seed(step)
+    if kind == "fsdp":
+        net(torch.randn(8, OBS, generator=g)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    with torch.no_grad():
+        if kind == "tp":
+            for i, p in enumerate(net.parameters()):
+                local = p.to_local() if hasattr(p, "to_local") else p
+                gen = torch.Generator().manual_seed(1000 * step + i)
+                local.add_(torch.randn(local.shape, generator=gen))
+        net.steps += 1
+        net.scale.mul_(1.5)
+
+
 def _rank(name: str, kind: str, sync: str, gate: str) -> int:
     """One trainer rank: shard, build the scheme's sender, send() after each step."""
     from datetime import timedelta
@@ -120,19 +171,19 @@ def _rank(name: str, kind: str, sync: str, gate: str) -> int:
     import torch
     import torch.distributed as dist
 
-    from tests.helpers.shard_trainer import Net, _full_digest, _shard, _step
+    from tests.helpers.shard_trainer import _full_digest, _shard
     from zmqsync.integrations.torchrl import ZmqWeightSyncScheme
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     rank = dist.get_rank()
     torch.manual_seed(0)
-    model = Net()
-    _shard(model, kind, dist.get_world_size())
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    policy = _policy()
+    _shard(policy.module, kind, dist.get_world_size())
+    opt = torch.optim.SGD(policy.parameters(), lr=0.1)
     scheme = ZmqWeightSyncScheme(name=name, timeout=60, sync=True if sync == "true" else int(sync))
-    scheme.init_on_sender(model_id="policy", model=model)  # every rank: a collective
+    scheme.init_on_sender(model_id="policy", model=policy)  # every rank: a collective
     scheme.connect()
-    d0 = _full_digest(model)
+    d0 = _full_digest(policy)
     publisher = scheme.publisher
     assert publisher is not None
     if rank == 0:
@@ -142,11 +193,11 @@ def _rank(name: str, kind: str, sync: str, gate: str) -> int:
         _gate(gate, 0)
     dist.barrier()
     for step in range(1, 4):
-        _step(model, opt, step, kind)
+        _step(policy, opt, step, kind)
         scheme.send()  # every rank: its shards; the host announces and waits for acks
         done = scheme.last_publish
         assert done is not None and scheme.version == step
-        digest = _full_digest(model)
+        digest = _full_digest(policy)
         _say(event="version", rank=rank, version=done.version, digest=digest,
              acked=sorted(done.acked), workers=sorted(publisher.workers))  # fmt: skip
         if rank == 0:
@@ -158,28 +209,51 @@ def _rank(name: str, kind: str, sync: str, gate: str) -> int:
     return 0
 
 
-def _receiver(name: str) -> int:
-    """The scheme's receiver side over a plain policy: report each version it applies."""
-    import torch
+def _receiver(name: str, side: str) -> int:
+    """A plain policy in another process, updated by the scheme's receiver side alone
+    (`side` "scheme") or by a torchrl `Collector` given it as ``weight_recv_schemes``
+    ("collector", applying at each rollout): report each version it applies."""
+    import warnings
 
-    from tests.helpers.shard_trainer import Net
+    import torch
+    from torchrl.collectors import Collector
+    from torchrl.testing.mocking_classes import ContinuousActionVecMockEnv
+
     from zmqsync._checksum import digest
     from zmqsync._layout import flatten
     from zmqsync.integrations.torchrl import ZmqWeightSyncScheme
 
+    warnings.simplefilter("ignore", DeprecationWarning)
     torch.manual_seed(1)  # other weights than the trainer's: version 0 must replace them
-    model = Net()
+    policy = _policy()
+    seen, end = -1, time.monotonic() + 180
+
+    def report(recv: ZmqWeightSyncScheme) -> None:
+        nonlocal seen
+        if recv.version != seen:
+            seen = recv.version
+            _say(event="seen", version=seen, digest=digest(flatten(policy.state_dict())))
+
     with ZmqWeightSyncScheme(name=name, apply="manual", timeout=60) as recv:
-        recv.init_on_receiver(model_id="policy", model=model)
-        recv.connect()
+        if side == "collector":
+            collector = Collector(
+                ContinuousActionVecMockEnv(), policy, frames_per_batch=10, total_frames=-1,
+                weight_recv_schemes={"policy": recv},
+            )  # fmt: skip
+        else:
+            recv.init_on_receiver(model_id="policy", model=policy)
+            recv.connect()
         assert recv.subscriber is not None
         _say(event="ready", worker=recv.subscriber.worker_id)
-        seen, end = -1, time.monotonic() + 180
+        if side == "collector":
+            for _ in collector:  # each rollout starts with the newest version
+                report(recv)
+                if seen == 3 or time.monotonic() > end:
+                    break
+            collector.shutdown()
         while seen < 3 and time.monotonic() < end:
             recv.receive(timeout=0.5)
-            if recv.version != seen:
-                seen = recv.version
-                _say(event="seen", version=seen, digest=digest(flatten(model.state_dict())))
+            report(recv)
     return 0 if seen == 3 else 5
 
 
