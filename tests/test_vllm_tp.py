@@ -15,6 +15,7 @@ core 0, rank 1 on core 1) and ``VLLM_CPU_NUM_OF_RESERVED_CPU=0``. Then it runs, 
 from __future__ import annotations
 
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -31,8 +32,23 @@ PROMPTS = ["the quick brown fox", "once upon a time there"]
 BIND = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
 
 
+def _vllm_segments() -> set[Path]:
+    """vLLM's own shared memory between TP ranks (``vllm_dist_*``), which its CPU
+    workers leave in /dev/shm when they exit."""
+    return set(Path("/dev/shm").glob("vllm_dist_*"))
+
+
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
+    before = _vllm_segments()
+    try:
+        yield from _engine(tmp_path_factory)
+    finally:
+        for segment in _vllm_segments() - before:  # ours: the engine is gone by now
+            segment.unlink(missing_ok=True)
+
+
+def _engine(tmp_path_factory):
     venv = vllm_env.ensure()
     model = tmp_path_factory.mktemp("tiny-llama")
     subprocess.run(
