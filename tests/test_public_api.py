@@ -24,6 +24,7 @@ ERRORS = {
     "LayoutMismatch": ValueError,
     "ProtocolError": None,
     "PublishTimeout": TimeoutError,
+    "RanksFailed": RuntimeError,
     "SharedMemoryFull": OSError,
 }
 

@@ -27,6 +27,7 @@ if _typing.TYPE_CHECKING:  # what type checkers and IDEs see: the names, eagerly
         LayoutMismatch,
         ProtocolError,
         PublishTimeout,
+        RanksFailed,
         SharedMemoryFull,
         ZmqSyncError,
     )
@@ -59,6 +60,7 @@ __all__ = [
     "Publish",
     "Publisher",
     "PublishTimeout",
+    "RanksFailed",
     "Reading",
     "Relay",
     "RelayRoot",
@@ -79,6 +81,7 @@ _WHERE = {
     "LayoutMismatch": "._errors",
     "ProtocolError": "._errors",
     "PublishTimeout": "._errors",
+    "RanksFailed": "._errors",
     "SharedMemoryFull": "._errors",
     "ZmqSyncError": "._errors",
     "Publish": "._publisher",

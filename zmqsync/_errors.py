@@ -9,6 +9,7 @@
   x BufferUnavailable   (also OSError)        a segment the publisher named cannot be mapped
   x FdLimitTooLow       (also OSError)        .limit .needed: `ulimit -n` cannot hold a bus
   x ClosedError         (also RuntimeError)   the Publisher/Subscriber was closed
+  x RanksFailed         (also RuntimeError)   a sharded trainer's rank died, stalled or failed
 
 Each error also subclasses the matching built-in, so ordinary ``except TimeoutError``
 or ``except ValueError`` clauses keep working. Messages say what happened, with
@@ -27,6 +28,7 @@ __all__ = [
     "LayoutMismatch",
     "ProtocolError",
     "PublishTimeout",
+    "RanksFailed",
     "SharedMemoryFull",
     "ZmqSyncError",
 ]
@@ -51,6 +53,11 @@ def _rebuild(
 
 class ConnectTimeout(ZmqSyncError, TimeoutError):
     """No publisher answered the handshake before the deadline."""
+
+
+class RanksFailed(ZmqSyncError, RuntimeError):
+    """A sharded trainer's publish could not complete on every rank (one died, stalled
+    or failed its write): the version is not announced, workers keep the last one."""
 
 
 class PublishTimeout(ZmqSyncError, TimeoutError):
@@ -123,5 +130,6 @@ for _cls in (
     BufferUnavailable,
     FdLimitTooLow,
     ClosedError,
+    RanksFailed,
 ):
     _cls.__module__ = "zmqsync"

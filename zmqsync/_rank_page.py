@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable
 
 from ._deadline import Deadline
-from ._errors import ZmqSyncError
+from ._errors import RanksFailed
 from ._gc import PREFIX
 
 __all__ = ["MAX_RANKS", "RankPage", "RanksFailed", "page_name"]
@@ -50,10 +50,6 @@ _LOCKS_AT = PAGE_BYTES  # rank r's liveness lock: byte _LOCKS_AT + r (beyond the
 _OUT_DONE = 0  # outcome word: 0 done, else 1 + the index of the rank that failed it
 
 _SPIN_MIN_S, _SPIN_MAX_S = 20e-6, 2e-3  # the waits' backoff: a publish is milliseconds
-
-
-class RanksFailed(ZmqSyncError):
-    """A publish of a sharded trainer could not complete on every rank."""
 
 
 def _lock(fd: int, kind: int, at: int) -> None:
