@@ -572,3 +572,17 @@ def test_no_public_class_takes_a_loose_security_knob(cls):
     params = set(inspect.signature(getattr(zmqsync, cls)).parameters)
     assert "security" in params
     assert not params & set(LOOSE_SECURITY), f"{cls}: use security=Security(...)"
+
+
+# tools/bench is on sys.path of the harness's processes (and of a test process that
+# imported a scenario, whose children inherit it): a script there named like an
+# installed package hides it (tools/bench/vllm.py once made torchrl's collectors import
+# it as vllm and crash at start).
+SHADOWED = ("vllm", "torch", "torchrl", "tensordict", "zmq", "msgpack", "rich", "matplotlib")
+
+
+def test_no_harness_module_is_named_like_a_package():
+    names = {p.stem for p in HARNESS.rglob("*.py")} | {
+        p.name for p in HARNESS.iterdir() if p.is_dir()
+    }
+    assert not names & set(SHADOWED), sorted(names & set(SHADOWED))

@@ -40,7 +40,7 @@ SCENARIOS: dict[str, dict[str, tuple[str, str, str]]] = {
         "loopback": ("relay.loopback", "main", "relays vs a gloo broadcast, on loopback"),
         "hosts": ("relay.hosts", "main", "relays vs gloo between namespace hosts (root)"),
     },
-    "vllm": {"": ("vllm", "main",
+    "vllm": {"": ("vllm_update", "main",
         "a vLLM engine's update() vs its own reload, disk, pickle; tokens/s")},
     "shards": {"": ("shards", "main",
         "a sharded trainer's publish vs gathering first; tensor-parallel readers")},

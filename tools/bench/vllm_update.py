@@ -1,12 +1,16 @@
 """A vLLM engine (CPU build) taking new weights: zmqsync next to the other ways, one run.
 
+(Not ``vllm.py``: tools/bench is on the path of the processes the harness starts, and of
+a test process that imported a scenario, where a module of that name hides the vllm
+package from whatever looks for it, torchrl's collectors included.)
+
     python -m tools.bench vllm                  # ~400 MB Llama; docs/bench/vllm.json
     python -m tools.bench vllm --layers 2 --hidden 256 --rounds 2   # a quick look
 
 The harness side (this venv) builds or reuses the tests' vLLM venv
 (tests/helpers/vllm_env.py), makes a Llama checkpoint locally (random bf16 weights, the
 sizes below), and runs the measuring side in the vLLM venv (``python -m
-tools.bench.vllm --engine ...``): one engine, a trainer (a `zmqsync.Publisher` in the
+tools.bench.vllm_update --engine ...``): one engine, a trainer (a `zmqsync.Publisher` in the
 driver process) and, per round, in turn:
 
 * **zmqsync**: ``publish(weights=other, max_lag=None)`` then ``Engine.update()``, both
@@ -59,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         subprocess.run([str(venv.python), "-m", "tests.helpers.vllm_model", str(model), "0",
                         *sizes], env=venv.env(), cwd=ROOT, check=True, timeout=900)  # fmt: skip
         out = Path(tmp) / "result.json"
-        cmd = [str(venv.python), "-m", "tools.bench.vllm", "--engine", "--model", str(model),
+        cmd = [str(venv.python), "-m", "tools.bench.vllm_update", "--engine", "--model", str(model),
                "--out", str(out), *argv]  # fmt: skip
         env = venv.env(VLLM_ALLOW_INSECURE_SERIALIZATION="1")  # the bench's own callables
         subprocess.run(cmd, env=env, cwd=ROOT, check=True, timeout=3600)
