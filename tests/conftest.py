@@ -44,17 +44,19 @@ class Proc:
         self._err.start()
 
     def _read_out(self) -> None:
-        for line in self.proc.stdout:  # type: ignore[union-attr]
-            line = line.strip()
-            if line.startswith("{"):
-                with self._cond:
-                    self.records.append(json.loads(line))
-                    self._cond.notify_all()
+        with contextlib.suppress(ValueError):  # the pipe closed by kill()/finish(): done
+            for line in self.proc.stdout:  # type: ignore[union-attr]
+                line = line.strip()
+                if line.startswith("{"):
+                    with self._cond:
+                        self.records.append(json.loads(line))
+                        self._cond.notify_all()
 
     def _read_err(self) -> None:
-        for line in self.proc.stderr:  # type: ignore[union-attr]
-            with self._cond:
-                self._err_lines.append(line)
+        with contextlib.suppress(ValueError):  # the pipe closed by kill()/finish(): done
+            for line in self.proc.stderr:  # type: ignore[union-attr]
+                with self._cond:
+                    self._err_lines.append(line)
         self.stderr = "".join(self._err_lines)
 
     def stderr_so_far(self) -> str:
