@@ -44,10 +44,7 @@ def venv(tmp_path_factory) -> vllm_env.VllmEnv:
 @pytest.fixture(scope="module")
 def model_dir(venv, tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-llama")
-    subprocess.run(
-        [str(venv.python), "-m", "tests.helpers.vllm_model", str(path), str(FINAL)],
-        env=venv.env(), cwd=vllm_env.ROOT, check=True, timeout=300, capture_output=True,
-    )  # fmt: skip
+    vllm_env.tiny_model(venv, path, FINAL)
     return path
 
 

@@ -157,10 +157,7 @@ def served(tmp_path_factory):
     """The server, the bus's name and address, and the env a trainer of it needs."""
     venv = vllm_env.ensure()
     model = tmp_path_factory.mktemp("tiny-llama")
-    subprocess.run(
-        [str(venv.python), "-m", "tests.helpers.vllm_model", str(model), str(FINAL)],
-        env=venv.env(), cwd=vllm_env.ROOT, check=True, timeout=300, capture_output=True,
-    )  # fmt: skip
+    vllm_env.tiny_model(venv, model, FINAL)
     runtime = Path(os.environ.get("TMPDIR", "/tmp")) / f"zv{uuid.uuid4().hex[:8]}"
     shm = Path("/dev/shm") / f"zmqsync-test-vllm-{uuid.uuid4().hex[:8]}"
     runtime.mkdir(mode=0o700)

@@ -14,7 +14,6 @@ core 0, rank 1 on core 1) and ``VLLM_CPU_NUM_OF_RESERVED_CPU=0``. Then it runs, 
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -51,10 +50,7 @@ def engine(tmp_path_factory):
 def _engine(tmp_path_factory):
     venv = vllm_env.ensure()
     model = tmp_path_factory.mktemp("tiny-llama")
-    subprocess.run(
-        [str(venv.python), "-m", "tests.helpers.vllm_model", str(model), str(FINAL)],
-        env=venv.env(), cwd=vllm_env.ROOT, check=True, timeout=300, capture_output=True,
-    )  # fmt: skip
+    vllm_env.tiny_model(venv, model, FINAL)
     log = tmp_path_factory.mktemp("vllm-tp-log") / "engine.log"
     proc = EngineProc(venv, model, log, tp=2, **BIND)
     try:

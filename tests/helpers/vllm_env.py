@@ -72,6 +72,16 @@ class VllmEnv:
         return env
 
 
+def tiny_model(venv: VllmEnv, directory: Path, seed: int) -> Path:
+    """The tiny Llama of `tests.helpers.vllm_model` (its weights from `seed`) written
+    into `directory` with the vLLM venv's Python; returns `directory`."""
+    subprocess.run(
+        [str(venv.python), "-m", "tests.helpers.vllm_model", str(directory), str(seed)],
+        env=venv.env(), cwd=ROOT, check=True, timeout=300, capture_output=True,
+    )  # fmt: skip
+    return directory
+
+
 def cache_dir() -> Path:
     base = os.environ.get("ZMQSYNC_CACHE") or os.path.expanduser("~/.cache/zmqsync")
     tag = f"py{sys.version_info.major}{sys.version_info.minor}"
