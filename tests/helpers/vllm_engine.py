@@ -60,12 +60,14 @@ class EngineProc:
         self._out.flush()
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
 
-    def call(self, op: str, timeout: float = 180.0, **fields: Any) -> dict[str, Any]:
-        """Send one command; its reply (a driver error raises AssertionError)."""
+    def call(self, op: str, *, reply_s: float = 180.0, **fields: Any) -> dict[str, Any]:
+        """Send one command with its `fields` (``timeout=`` among them goes to the engine:
+        ``update(timeout=...)``); its reply within `reply_s` (a driver error raises
+        AssertionError)."""
         assert self.proc.stdin is not None
         self.proc.stdin.write(json.dumps({"op": op, **fields}) + "\n")
         self.proc.stdin.flush()
-        answer = self._next(timeout, op)
+        answer = self._next(reply_s, op)
         if answer.get("kind") == "driver":
             raise AssertionError(f"{op}: {answer['error']}\n{answer.get('trace', '')}")
         return answer
@@ -73,7 +75,7 @@ class EngineProc:
     def close(self) -> None:
         if self.proc.poll() is None:
             try:
-                self.call("quit", timeout=60)
+                self.call("quit", reply_s=60)
                 self.proc.wait(60)
             except (AssertionError, OSError, subprocess.TimeoutExpired):
                 self.proc.kill()
