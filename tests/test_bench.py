@@ -273,3 +273,19 @@ def test_the_sides_runner_reads_any_scenario():
     assert leaves == {"runs[1].steps_per_s": 4.0, "runs[1].samples": 2.0}
     printed = sides._printed("none       62    0\nswap      261   50\n")
     assert printed == {"none #1": 62.0, "none #2": 0.0, "swap #1": 261.0, "swap #2": 50.0}
+
+
+def test_each_question_has_its_own_output_option_and_reader(tmp_path):
+    # A question is run with the option that makes it write JSON only if it has one (no
+    # borrowing its scenario's), and read with its own reader, else number by number.
+    from tools.bench import sides
+    from tools.bench.__main__ import SCENARIOS
+
+    for key in sides.OUTPUT:
+        scenario, _, question = key.partition(" ")
+        assert question in SCENARIOS[scenario] or not question, key
+    assert "--json" not in sides._default_command("fixed cold-calls")
+    assert sides._default_command("fixed cpu").endswith("--json {out}/run.json")
+    run = {"config": {"workers": 2}, "zmqsync wall per round": [30.0, 50.0, 40.0]}
+    (tmp_path / "run.json").write_text(json.dumps(run))
+    assert sides.figures("fixed cpu", tmp_path, "") == {"zmqsync wall per round": 40.0}

@@ -18,6 +18,7 @@ thread that also handles naive and copy floors).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import statistics
@@ -64,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--flat", action="store_true", help="the flat layout on both sides (as the bench's many)"
     )
+    parser.add_argument("--json", type=Path, help="write the figures here (what `sides` reads)")
     args = parser.parse_args(argv)
     n, iters = args.workers, args.iters
     rundir = tempfile.mkdtemp(prefix="zmqsync-cpu-")
@@ -131,9 +133,12 @@ def main(argv: list[str] | None = None) -> int:
     layout = ", flat" if args.flat else ""
     print(f"{n} workers, {args.mode} mode{layout}, {what} model, {iters} rounds x {args.rounds}")
     print(f"{'µs per round (median of the rounds)':40s} {'value':>8s}")
-    for key, values in rows.items():
-        if key != "raw publisher agent":
-            print(f"{key:40s} {statistics.median(values):8.0f}")
+    shown = {key: values for key, values in rows.items() if key != "raw publisher agent"}
+    for key, values in shown.items():
+        print(f"{key:40s} {statistics.median(values):8.0f}")
+    if args.json:  # µs per round, one value per alternation: `sides` takes their median
+        config = {"workers": n, "mode": args.mode, "model": args.model, "flat": args.flat}
+        args.json.write_text(json.dumps({"config": config, **shown}, indent=1))
     return 0
 
 
