@@ -20,7 +20,7 @@ from zmqsync._buffers import collect_garbage
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 
-TRAINER = "tests/helpers/shard_trainer.py"
+TRAINER = ("-m", "tests.helpers.shard_trainer")
 WORKER = "tests/helpers/digest_worker.py"
 
 
@@ -42,7 +42,7 @@ def ranks():
             env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(n), LOCAL_RANK=str(rank))
             env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1")
             prefix = (wrap or {}).get(rank, [])
-            procs.append(Proc([*prefix, sys.executable, TRAINER, *args], env))
+            procs.append(Proc([*prefix, sys.executable, *TRAINER, *args], env))
         return procs[-n:]
 
     yield launch

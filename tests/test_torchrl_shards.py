@@ -171,6 +171,7 @@ def _rank(name: str, kind: str, sync: str, gate: str) -> int:
     import torch
     import torch.distributed as dist
 
+    from tests.helpers.ranks import leave
     from tests.helpers.shard_trainer import _full_digest, _shard
     from zmqsync.integrations.torchrl import ZmqWeightSyncScheme
 
@@ -205,8 +206,7 @@ def _rank(name: str, kind: str, sync: str, gate: str) -> int:
         dist.barrier()
     scheme.shutdown()
     _say(event="done", rank=rank)
-    dist.destroy_process_group()
-    return 0
+    leave()
 
 
 def _receiver(name: str, side: str) -> int:

@@ -106,7 +106,7 @@ def test_tp_workers_take_their_slices_of_every_version(workers, name, mode, nati
                     for key, seen in pointers.items():
                         seen.add(record["locals"][key]["ptr"])
     for proc in procs:
-        assert proc.finish(60) == 0, proc.stderr[-3000:]
+        assert proc.finish(60) == 0, (proc.cmd, proc.stderr[-3000:])
         counters = proc.wait_for(lambda r: r.get("event") == "done")["counters"]
         assert counters["applied"] == len(versions)
         if mode == "copy" and native:
@@ -135,4 +135,4 @@ def test_an_fsdp2_trainer_feeds_tp_workers(ranks, workers, tmp_path, name, mode)
             assert seen["digest"] == want, f"version {version} on rank {seen['rank']}"
         (gate / str(version)).touch()
     for proc in [*procs, *group]:
-        assert proc.finish(60) == 0, proc.stderr[-3000:]
+        assert proc.finish(60) == 0, (proc.cmd, proc.stderr[-3000:])

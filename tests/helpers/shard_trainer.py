@@ -1,7 +1,7 @@
 """One rank of a sharded trainer (torch.distributed over gloo, CPU), for the shard tests.
 
     RANK=r WORLD_SIZE=n MASTER_ADDR=127.0.0.1 MASTER_PORT=p \\
-        python tests/helpers/shard_trainer.py NAME --kind fsdp|tp|2d --steps K \\
+        python -m tests.helpers.shard_trainer NAME --kind fsdp|tp|2d --steps K \\
         [--workers W] [--gate DIR] [--die-at V] [--stall-at V] [--victim R] [--timeout S]
         [--bf16]
 
@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 import zmqsync
+from tests.helpers.ranks import leave
 from zmqsync._checksum import digest
 from zmqsync._layout import flatten
 
@@ -181,8 +182,7 @@ def main() -> int:
         dist.barrier()
     pub.close()
     _say(event="done", rank=rank)
-    dist.destroy_process_group()
-    return 0
+    leave()
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 import zmqsync
+from tests.helpers.ranks import leave
 from tests.helpers.shard_trainer import Net
 from tests.helpers.tp_model import INPUT, TpNet
 from zmqsync._checksum import digest
@@ -92,8 +93,7 @@ def main() -> int:
                  out=out.tolist(), same_params=same)  # fmt: skip
         counters = sub.counters
     _say(event="done", rank=rank, counters=counters)
-    dist.destroy_process_group()
-    return 0
+    leave()
 
 
 if __name__ == "__main__":
