@@ -71,8 +71,13 @@ class AgentThread:
             whatever `_bind` raised on the agent thread, or ZmqSyncError when the thread
             did not say it started within AGENT_START_S.
         """
-        self._thread.start()
-        if not self._started.wait(AGENT_START_S) or self._failure is not None:
+        try:
+            self._thread.start()
+            started = self._started.wait(AGENT_START_S)
+        except BaseException:  # interrupted (SIGTERM's SystemExit, Ctrl-C) while it binds:
+            self.stop()  # the sockets it bound close now (an ipc file goes with its socket)
+            raise
+        if not started or self._failure is not None:
             failure = self._failure
             self.stop()
             raise failure or ZmqSyncError(f"{self.what} did not start within {AGENT_START_S:g} s")
@@ -104,14 +109,15 @@ class AgentThread:
     # --- the agent thread ---
 
     def _run(self) -> None:
-        self.pipe = self.ctx.socket(zmq.PAIR)
-        self.pipe.linger = 0
-        self.pipe.connect(self._pipe_addr)
         try:
+            self.pipe = self.ctx.socket(zmq.PAIR)  # fails once a start cut short stopped us
+            self.pipe.linger = 0
+            self.pipe.connect(self._pipe_addr)
             self._bind()
         except BaseException as exc:  # reported to start() on the owner's thread
             self._failure = exc
-            self.pipe.close()  # the rest goes with the context (start() stops it)
+            if hasattr(self, "pipe"):
+                self.pipe.close()  # the rest goes with the context (start() stops it)
             self._started.set()
             return
         self._started.set()

@@ -16,8 +16,9 @@ not differ between them:
   every close: a publisher still broadcasts STOP and unlinks its segment. A SIGKILL
   skips this; the flock-based garbage collection covers that case.
 * SIGTERM (``docker stop``, ``kill``, a supervisor) would end the process without any
-  of that: its default action does not unwind Python. The first object started on the
-  main thread of a process whose SIGTERM handler is still the default installs one that
+  of that: its default action does not unwind Python. The first object starting on the
+  main thread of a process whose SIGTERM handler is still the default installs one (as
+  its start begins: a SIGTERM mid-start unwinds what that start had opened) that
   raises ``SystemExit(143)`` there, as SIGINT raises KeyboardInterrupt: ``with`` blocks
   and `atexit` close the bus (STOP to the workers at once, socket files and segments
   removed), and the exit status still says SIGTERM. A process with its own handler (set
@@ -39,7 +40,7 @@ from typing import Any, Protocol
 
 from ._errors import ClosedError
 
-__all__ = ["Lifecycle", "State", "exit_on_sigterm", "track"]
+__all__ = ["Lifecycle", "State", "exit_on_sigterm", "release", "track"]
 
 
 class State(enum.Enum):
@@ -93,6 +94,21 @@ def exit_on_sigterm() -> None:
             signal.signal(signal.SIGTERM, _terminated)
 
 
+def release(resources: contextlib.ExitStack) -> BaseException | None:
+    """Run every callback of `resources`, even when an exception lands among them: a
+    signal's (SIGTERM's SystemExit, Ctrl-C's KeyboardInterrupt) is raised wherever the
+    main thread is, ExitStack's own loop included, which would leave the callbacks after
+    it unrun (socket files, segments). A callback cut short counts as run. Returns the
+    first such exception, for the caller to raise once it has tidied up."""
+    first: BaseException | None = None
+    while True:
+        try:
+            resources.close()
+            return first
+        except BaseException as exc:  # noqa: BLE001 - returned to the caller, who raises it
+            first = first or exc
+
+
 class Lifecycle:
     """The state and the lifecycle methods shared by the public classes (module doc).
 
@@ -124,19 +140,20 @@ class Lifecycle:
         if self._state is State.STARTED:
             return False
         self._pid = os.getpid()
+        exit_on_sigterm()  # before anything is opened: a SIGTERM mid-start unwinds it too
         return True
 
     def _started(self) -> None:
         """start() opened everything: STARTED, and closed at exit if still open then."""
         self._state = State.STARTED
         track(self)
-        exit_on_sigterm()
 
     def _closing(self) -> bool:
         """CLOSED from now on; whether close() must release anything: only once, and only
         in the process that started it."""
-        was, self._state = self._state, State.CLOSED
-        return was is State.STARTED and os.getpid() == self._pid
+        mine = self._state is State.STARTED and os.getpid() == self._pid
+        self._state = State.CLOSED  # last: a signal's exception cannot land between
+        return mine
 
     @property
     def closed(self) -> bool:

@@ -52,7 +52,7 @@ from ._connections import connection_budget, open_descriptors, peer_alive, raise
 from ._deadline import Deadline
 from ._errors import ClosedError, ZmqSyncError
 from ._layout import Key
-from ._lifecycle import Lifecycle, State
+from ._lifecycle import Lifecycle, State, release
 from ._overlap import Pending
 from ._protocol import Inspect, encode
 from ._publisher_agent import Agent, Shared
@@ -317,8 +317,8 @@ class Publisher(Lifecycle):
             self._mode.start(self.name, slots, stack)  # version 0, before anyone can join
             self._role.record(0, 0)
             agent = self._agent = Agent(shared)
+            stack.callback(agent.stop)  # first: a start cut short closes what it bound
             agent.start()
-            stack.callback(agent.stop)
             self._acks = AckWait(shared, agent, self._on_timeout, self._timeout)
             announcer = Announcer(shared, agent, self._layout, self.bus_id)
             bound = Bound(self.name, slots, announcer, self._acks, shared.write_lock, self._timeout)
@@ -382,20 +382,23 @@ class Publisher(Lifecycle):
         if self._peer is not None:
             self._peer.close()
             return
-        if self._acks is not None:
-            self._acks.closed = True
-        if self._segment is not None:  # seen at once, also by a worker busy applying
-            self._segment.header.mark_closed()
-        if self._agent is not None:
-            self._agent.command(b"stop")
-        try:
-            self._resources.close()
-        except BaseException:
-            # cut short (a second Ctrl-C while the agent thread ends): the agent removes
-            # its socket files on its way out, but the process may end before it does
+        cut: BaseException | None = None
+        try:  # a signal's exception from here on still lets everything be released
+            if self._acks is not None:
+                self._acks.closed = True
+            if self._segment is not None:  # seen at once, also by a worker busy applying
+                self._segment.header.mark_closed()
+            if self._agent is not None:
+                self._agent.command(b"stop")
+        except BaseException as exc:  # noqa: BLE001 - raised below, once released
+            cut = exc
+        cut = release(self._resources) or cut
+        if cut is not None:
+            # the agent removes its socket files on its way out, but an agent stop cut
+            # short may leave it running while the process ends
             if self._agent is not None:
                 self._agent.remove_socket_files()
-            raise
+            raise cut
         log.info("publisher %r closed at version %d", self.name, self._role.latest)
 
     def _title(self) -> str:

@@ -101,6 +101,7 @@ class CpuSegment(SharedBuffer):
         self.slots, self._slot_bytes = slots, slot_bytes
         tmp = os.path.join(directory, f".{name}.tmp")
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        placed = tmp  # the file to remove if this is cut short (a signal's exception too)
         try:
             fcntl.flock(fd, fcntl.LOCK_SH)
             if gid is not None:  # containers running as other uids of this group
@@ -109,16 +110,17 @@ class CpuSegment(SharedBuffer):
             with map_os_errors(self.path, self.size):
                 os.posix_fallocate(fd, 0, self.size)
             os.rename(tmp, self.path)
+            placed = self.path
+            self._mm = mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED)
+            self._words = memoryview(self._mm)[:HEADER_BYTES].cast("Q")
+            self.header = Header.initialise(self._words, slots, slot_bytes)
+            self._flat = _as_tensor(self._mm)
         except BaseException:
             os.close(fd)
             with contextlib.suppress(OSError):
-                os.unlink(tmp)
+                os.unlink(placed)
             raise
         self._fd: int | None = fd
-        self._mm = mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED)
-        self._words = memoryview(self._mm)[:HEADER_BYTES].cast("Q")
-        self.header = Header.initialise(self._words, slots, slot_bytes)
-        self._flat = _as_tensor(self._mm)
 
     def slot(self, index: int) -> torch.Tensor:
         start = HEADER_BYTES + index * self._slot_bytes

@@ -34,7 +34,7 @@ import zmq
 from .. import _config
 from .._deadline import Deadline
 from .._errors import ClosedError, ProtocolError, ZmqSyncError
-from .._lifecycle import Lifecycle
+from .._lifecycle import Lifecycle, release
 from .._protocol import Inspect, State, TensorSpec
 from .._reads import Aliases
 from .._security import Security, found_keys
@@ -231,8 +231,8 @@ class RelayRoot(Lifecycle):
                 name=self.name,
                 ack=self._ack,
             )
-            self._agent.start()
             stack.callback(self._agent.stop)  # tells the relays goodbye...
+            self._agent.start()
             stack.callback(self._drop_store)  # ...once the store no longer answers them
             self._store.set(control_key(self.name), self._agent.endpoint)
             self._open_data_channel()
@@ -283,10 +283,15 @@ class RelayRoot(Lifecycle):
         """Tell the relays, leave the bus, drop the group and the rendezvous. Idempotent."""
         if not self._closing():
             return
-        self._stopping.set()
-        with self._cond:
-            self._cond.notify_all()
-        self._resources.close()
+        cut: BaseException | None = None
+        try:  # a signal's exception from here on still lets everything be released
+            self._stopping.set()
+            with self._cond:
+                self._cond.notify_all()
+        except BaseException as exc:  # noqa: BLE001 - raised below, once released
+            cut = exc
+        if (cut := release(self._resources) or cut) is not None:
+            raise cut
         log.info("relay root %s closed at version %d", self.tree, self._membership.version)
 
     def _title(self) -> str:
