@@ -143,3 +143,71 @@ def test_objects_left_to_interpreter_exit_are_finalized_without_noise(name, tmp_
     assert done.returncode == 0, done.stderr
     assert "started" in done.stdout
     assert "Exception ignored" not in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+HOLDS = """
+import contextlib, os, signal
+from zmqsync._lifecycle import exit_on_sigterm, signals_held
+
+def user_handler(signum, frame):
+    print("user's handler", flush=True)
+
+exit_on_sigterm()
+for sig, nested in {cases}:
+    if sig == "user-sigint":
+        signal.signal(signal.SIGINT, user_handler)
+    try:
+        with signals_held():
+            with signals_held() if nested else contextlib.nullcontext():
+                os.kill(os.getpid(), signal.SIGINT if "sigint" in sig else signal.SIGTERM)
+                for _ in range(1000):  # handlers run between steps: many steps go by
+                    pass
+                print("inner end", flush=True)
+            print("outer end", flush=True)
+    except BaseException as exc:
+        print("raised", type(exc).__name__, getattr(exc, "code", ""), flush=True)
+    python_s = signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    print("sigint handler is python's:", python_s, flush=True)
+    try:  # after a hold: raised at once again (or the user's handler runs)
+        os.kill(os.getpid(), signal.SIGINT)
+        for _ in range(1000):
+            pass
+    except KeyboardInterrupt:
+        print("then at once: KeyboardInterrupt", flush=True)
+"""
+
+
+@pytest.mark.parametrize(
+    ("cases", "out"),
+    [
+        (
+            [("sigterm", False), ("sigterm", True)],
+            ["inner end", "outer end", "raised SystemExit 143"] * 2,
+        ),
+        (
+            [("sigint", False), ("sigint", True)],
+            ["inner end", "outer end", "raised KeyboardInterrupt "] * 2,
+        ),
+        ([("user-sigint", False)], ["user's handler", "inner end", "outer end"]),
+    ],
+    ids=["sigterm", "sigint", "user-sigint"],
+)
+def test_signals_that_arrive_in_a_hold_are_raised_as_it_ends(cases, out):
+    # A hold is what keeps a file made by one step and handed to its remover by the next
+    # from outliving a signal that lands between them: the body runs to its end, the
+    # outermost hold raises, and afterwards a signal raises at once again. A SIGINT
+    # handler of the user's is theirs: it runs when the signal comes.
+    done = subprocess.run(
+        [sys.executable, "-c", HOLDS.format(cases=cases)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    lines = [line for line in done.stdout.splitlines() if not line.startswith("sigint")]
+    user = cases[0][0] == "user-sigint"
+    after = ["user's handler"] if user else ["then at once: KeyboardInterrupt"]
+    per_case = len(out) // len(cases)
+    want = []
+    for i in range(len(cases)):
+        want += out[i * per_case : (i + 1) * per_case] + after
+    assert lines == want, done.stderr
+    handler_lines = [line for line in done.stdout.splitlines() if line.startswith("sigint")]
+    assert handler_lines == [f"sigint handler is python's: {not user}"] * len(cases)

@@ -27,6 +27,7 @@ import zmq
 
 from ._config import AGENT_START_S, THREAD_JOIN_S
 from ._errors import ZmqSyncError
+from ._lifecycle import signals_held
 from ._sockets import post
 
 __all__ = ["AgentThread"]
@@ -75,7 +76,8 @@ class AgentThread:
             self._thread.start()
             started = self._started.wait(AGENT_START_S)
         except BaseException:  # interrupted (SIGTERM's SystemExit, Ctrl-C) while it binds:
-            self.stop()  # the sockets it bound close now (an ipc file goes with its socket)
+            with signals_held():  # a second signal waits for this stop
+                self.stop()  # the sockets it bound close now (an ipc file goes with them)
             raise
         if not started or self._failure is not None:
             failure = self._failure

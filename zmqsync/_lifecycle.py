@@ -23,6 +23,13 @@ not differ between them:
   and `atexit` close the bus (STOP to the workers at once, socket files and segments
   removed), and the exit status still says SIGTERM. A process with its own handler (set
   before) keeps it, and a child forked from it still dies of SIGTERM as before.
+* A signal's exception lands between any two steps of the main thread, and a file made
+  by one step and handed to the `ExitStack` that removes it by the next would outlive
+  the process if it landed between them (socket files, segments). So each such pair of
+  steps, and each close's release, runs under `signals_held`: SIGTERM and Ctrl-C that
+  arrive then are raised once it ends. A held step never waits on a peer (every wait
+  stays interruptible at once); what it does is bounded (a segment reserved, a thread
+  joined for at most its stop deadline).
 """
 
 from __future__ import annotations
@@ -35,12 +42,13 @@ import signal
 import threading
 import warnings
 import weakref
+from collections.abc import Iterator
 from types import FrameType
 from typing import Any, Protocol
 
 from ._errors import ClosedError
 
-__all__ = ["Lifecycle", "State", "exit_on_sigterm", "release", "track"]
+__all__ = ["Lifecycle", "State", "exit_on_sigterm", "signals_held", "track"]
 
 
 class State(enum.Enum):
@@ -72,6 +80,8 @@ def _close_all() -> None:
 
 
 _installed_in = 0  # the process that installed `_terminated`
+_holding = 0  # how many `signals_held` the main thread is in
+_held: list[int] = []  # the signals that arrived during them, first first
 
 
 def _terminated(signum: int, frame: FrameType | None) -> None:
@@ -79,7 +89,18 @@ def _terminated(signum: int, frame: FrameType | None) -> None:
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
         return
+    if _holding:
+        _held.append(signum)
+        return
     raise SystemExit(128 + signum)
+
+
+def _interrupted(signum: int, frame: FrameType | None) -> None:
+    """SIGINT's handler during `signals_held` (Python's own raises KeyboardInterrupt)."""
+    if _holding:
+        _held.append(signum)
+        return
+    raise KeyboardInterrupt
 
 
 def exit_on_sigterm() -> None:
@@ -94,19 +115,35 @@ def exit_on_sigterm() -> None:
             signal.signal(signal.SIGTERM, _terminated)
 
 
-def release(resources: contextlib.ExitStack) -> BaseException | None:
-    """Run every callback of `resources`, even when an exception lands among them: a
-    signal's (SIGTERM's SystemExit, Ctrl-C's KeyboardInterrupt) is raised wherever the
-    main thread is, ExitStack's own loop included, which would leave the callbacks after
-    it unrun (socket files, segments). A callback cut short counts as run. Returns the
-    first such exception, for the caller to raise once it has tidied up."""
-    first: BaseException | None = None
-    while True:
-        try:
-            resources.close()
-            return first
-        except BaseException as exc:  # noqa: BLE001 - returned to the caller, who raises it
-            first = first or exc
+@contextlib.contextmanager
+def signals_held() -> Iterator[None]:
+    """SIGTERM (once `exit_on_sigterm` made it raise) and Ctrl-C that arrive inside are
+    raised as it ends (the module doc says why). Nests; only the main thread, where
+    Python runs signal handlers, holds anything; a SIGINT handler of the user's is left
+    alone."""
+    global _holding
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    _holding += 1  # no signal handler runs between this step and the `try`
+    swapped = False
+    try:
+        if _holding == 1:
+            with contextlib.suppress(ValueError, OSError):  # no signals here
+                if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+                    signal.signal(signal.SIGINT, _interrupted)
+                    swapped = True
+        yield
+    finally:
+        _holding -= 1
+        if swapped:  # from here a SIGINT raises at once again, through either handler
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+        if _holding == 0 and _held:
+            signum = _held[0]
+            _held.clear()
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            raise SystemExit(128 + signum)
 
 
 class Lifecycle:

@@ -52,7 +52,7 @@ from ._connections import connection_budget, open_descriptors, peer_alive, raise
 from ._deadline import Deadline
 from ._errors import ClosedError, ZmqSyncError
 from ._layout import Key
-from ._lifecycle import Lifecycle, State, release
+from ._lifecycle import Lifecycle, State, signals_held
 from ._overlap import Pending
 from ._protocol import Inspect, encode
 from ._publisher_agent import Agent, Shared
@@ -306,25 +306,29 @@ class Publisher(Lifecycle):
             self.address = shared.address = self._address_arg or _config.default_address(self.name)
             _refuse_if_served(self.address)
             if self._security.curve is True:
-                shared.curve = issue_keys(self.name, self._gid)
-                stack.callback(forget_keys, self.name)
+                with signals_held():  # each file is made and handed to `stack` as one step
+                    shared.curve = issue_keys(self.name, self._gid)
+                    stack.callback(forget_keys, self.name)
             elif self._address_arg is None:  # keys a killed publisher left for this name
                 forget_keys(self.name)
             require_security(self.address, shared.curve, self._security.insecure)
             shared.fd_limit = raise_fd_limit()
             shared.max_connections = connection_budget(shared.fd_limit, open_descriptors())
-            slots = self._open_buffers(stack)
+            with signals_held():
+                slots = self._open_buffers(stack)
             self._mode.start(self.name, slots, stack)  # version 0, before anyone can join
             self._role.record(0, 0)
-            agent = self._agent = Agent(shared)
-            stack.callback(agent.stop)  # first: a start cut short closes what it bound
-            agent.start()
+            with signals_held():
+                agent = self._agent = Agent(shared)
+                stack.callback(agent.stop)  # first: a start cut short closes what it bound
+            agent.start()  # interruptible while it waits for the binding
             self._acks = AckWait(shared, agent, self._on_timeout, self._timeout)
             announcer = Announcer(shared, agent, self._layout, self.bus_id)
             bound = Bound(self.name, slots, announcer, self._acks, shared.write_lock, self._timeout)
             self._mode.bind(bound, stack)
-            self._resources = stack.pop_all()
-        self._started()
+            with signals_held():  # held from `stack` to `_resources` and STARTED (closable)
+                self._resources = stack.pop_all()
+                self._started()
         log.info(
             "publisher %r started at %s (%d tensors, %.1f MiB, %d slots)",
             self.name,
@@ -377,28 +381,21 @@ class Publisher(Lifecycle):
             wait_s = self._timeout if self._timeout is not None else _CLOSE_WAIT_S
             with contextlib.suppress(Exception):  # bounded even with timeout=None
                 self._mode.settle(Deadline(wait_s))
-        if not self._closing():  # never started, closed already, or a forked child's
-            return
-        if self._peer is not None:
-            self._peer.close()
-            return
-        cut: BaseException | None = None
-        try:  # a signal's exception from here on still lets everything be released
-            if self._acks is not None:
-                self._acks.closed = True
-            if self._segment is not None:  # seen at once, also by a worker busy applying
-                self._segment.header.mark_closed()
-            if self._agent is not None:
-                self._agent.command(b"stop")
-        except BaseException as exc:  # noqa: BLE001 - raised below, once released
-            cut = exc
-        cut = release(self._resources) or cut
-        if cut is not None:
-            # the agent removes its socket files on its way out, but an agent stop cut
-            # short may leave it running while the process ends
-            if self._agent is not None:
-                self._agent.remove_socket_files()
-            raise cut
+        with signals_held():
+            if not self._closing():  # never started, closed already, or a forked child's
+                return
+            if self._peer is not None:
+                self._peer.close()
+                return
+            try:
+                if self._acks is not None:
+                    self._acks.closed = True
+                if self._segment is not None:  # seen at once, also by a worker busy applying
+                    self._segment.header.mark_closed()
+                if self._agent is not None:
+                    self._agent.command(b"stop")
+            finally:
+                self._resources.close()
         log.info("publisher %r closed at version %d", self.name, self._role.latest)
 
     def _title(self) -> str:

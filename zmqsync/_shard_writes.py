@@ -20,6 +20,7 @@ from typing import Any
 
 from ._deadline import Deadline
 from ._layout import Key, Layout
+from ._lifecycle import signals_held
 from ._overlap import Pending
 from ._rank_page import RankPage, RanksFailed, page_name
 from ._shard_peer import ShardPeer
@@ -66,11 +67,12 @@ class ShardedWrites(Mode):
 
     def start(self, name: str, slots: Slots, stack: contextlib.ExitStack) -> None:
         """Open the page (the peers wait for it), then write version 0 with them."""
-        page = RankPage.create(
-            self._shm_dir, page_name(name, self.shards.bus_id), len(self.shards.ranks),
-            self.shards.digest,
-        )  # fmt: skip
-        stack.callback(page.close, unlink=True)
+        with signals_held():  # the page's file is made and handed to `stack` as one step
+            page = RankPage.create(
+                self._shm_dir, page_name(name, self.shards.bus_id), len(self.shards.ranks),
+                self.shards.digest,
+            )  # fmt: skip
+            stack.callback(page.close, unlink=True)
         self._page = page
         slots.begin(0)
         page.go(0, 0, 0)

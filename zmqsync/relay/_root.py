@@ -34,7 +34,7 @@ import zmq
 from .. import _config
 from .._deadline import Deadline
 from .._errors import ClosedError, ProtocolError, ZmqSyncError
-from .._lifecycle import Lifecycle, release
+from .._lifecycle import Lifecycle, signals_held
 from .._protocol import Inspect, State, TensorSpec
 from .._reads import Aliases
 from .._security import Security, found_keys
@@ -265,8 +265,9 @@ class RelayRoot(Lifecycle):
             )
             self._thread.start()
             stack.callback(self._stop_thread)
-            self._resources = stack.pop_all()
-        self._started()
+            with signals_held():  # held from `stack` to `_resources` and STARTED (closable)
+                self._resources = stack.pop_all()
+                self._started()
         log.info(
             "relay root %s for bus %r at %s (rendezvous %s:%d, %s, ack=%s)",
             self.tree,
@@ -281,17 +282,15 @@ class RelayRoot(Lifecycle):
 
     def close(self) -> None:
         """Tell the relays, leave the bus, drop the group and the rendezvous. Idempotent."""
-        if not self._closing():
-            return
-        cut: BaseException | None = None
-        try:  # a signal's exception from here on still lets everything be released
-            self._stopping.set()
-            with self._cond:
-                self._cond.notify_all()
-        except BaseException as exc:  # noqa: BLE001 - raised below, once released
-            cut = exc
-        if (cut := release(self._resources) or cut) is not None:
-            raise cut
+        with signals_held():  # every resource goes, even if a signal arrives meanwhile
+            if not self._closing():
+                return
+            try:
+                self._stopping.set()
+                with self._cond:
+                    self._cond.notify_all()
+            finally:
+                self._resources.close()
         log.info("relay root %s closed at version %d", self.tree, self._membership.version)
 
     def _title(self) -> str:
