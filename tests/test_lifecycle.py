@@ -211,3 +211,41 @@ def test_signals_that_arrive_in_a_hold_are_raised_as_it_ends(cases, out):
     assert lines == want, done.stderr
     handler_lines = [line for line in done.stdout.splitlines() if line.startswith("sigint")]
     assert handler_lines == [f"sigint handler is python's: {not user}"] * len(cases)
+
+
+DROPPED = """
+import os, signal, sys, time
+from zmqsync._lifecycle import exit_on_sigterm
+
+exit_on_sigterm()
+
+class Finalized:
+    def __init__(self, error):
+        self.error = error
+
+    def __del__(self):
+        if self.error:
+            raise ValueError("a finalizer's own error")
+        os.kill(os.getpid(), signal.SIGTERM)
+        for _ in range(1000):  # the handler runs here: its SystemExit is dropped
+            pass
+
+Finalized(error=True)
+Finalized(error=False)
+print("went on", flush=True)
+time.sleep(30)
+print("SIGTERM lost", flush=True)
+"""
+
+
+def test_a_sigterm_dropped_inside_a_finalizer_is_sent_again():
+    # Python drops an exception raised inside a finalizer (a signal's lands wherever the
+    # main thread is); SIGTERM's comes again a moment later, in the main thread's own
+    # code. Any other exception dropped there is reported as before.
+    done = subprocess.run(
+        [sys.executable, "-c", DROPPED], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 143, done.stdout + done.stderr
+    assert done.stdout == "went on\n"
+    assert "ValueError: a finalizer's own error" in done.stderr
+    assert "SystemExit" not in done.stderr, done.stderr

@@ -30,6 +30,10 @@ not differ between them:
   arrive then are raised once it ends. A held step never waits on a peer (every wait
   stays interruptible at once); what it does is bounded (a segment reserved, a thread
   joined for at most its stop deadline).
+* Python drops an exception raised inside a finalizer (a ``__del__``, a weakref
+  callback) and goes on, and a signal's exception lands wherever the main thread is:
+  the `sys.unraisablehook` installed with SIGTERM's handler sends a SIGTERM dropped
+  there again a moment later. One SIGTERM ends the process.
 """
 
 from __future__ import annotations
@@ -37,8 +41,10 @@ from __future__ import annotations
 import atexit
 import contextlib
 import enum
+import functools
 import os
 import signal
+import sys
 import threading
 import warnings
 import weakref
@@ -82,6 +88,15 @@ def _close_all() -> None:
 _installed_in = 0  # the process that installed `_terminated`
 _holding = 0  # how many `signals_held` the main thread is in
 _held: list[int] = []  # the signals that arrived during them, first first
+_raised: tuple[BaseException, int] | None = None  # the last signal's exception we raised
+_RESEND_S = 0.01  # a dropped signal is sent again once the finalizer it hit is done
+
+
+def _raise_for(signum: int) -> None:
+    global _raised
+    exc = KeyboardInterrupt() if signum == signal.SIGINT else SystemExit(128 + signum)
+    _raised = (exc, signum)
+    raise exc
 
 
 def _terminated(signum: int, frame: FrameType | None) -> None:
@@ -92,7 +107,7 @@ def _terminated(signum: int, frame: FrameType | None) -> None:
     if _holding:
         _held.append(signum)
         return
-    raise SystemExit(128 + signum)
+    _raise_for(signum)
 
 
 def _interrupted(signum: int, frame: FrameType | None) -> None:
@@ -100,7 +115,21 @@ def _interrupted(signum: int, frame: FrameType | None) -> None:
     if _holding:
         _held.append(signum)
         return
-    raise KeyboardInterrupt
+    _raise_for(signum)
+
+
+def _dropped(before: Any, unraisable: Any) -> None:
+    """`sys.unraisablehook` once `_terminated` handles SIGTERM. Python drops an exception
+    raised inside a finalizer (a ``__del__``, a weakref callback: a signal's lands
+    wherever the main thread is, pyzmq's ``Socket.__del__`` included) and goes on, so a
+    SIGTERM would be lost; it is sent again, from another thread a moment later, to land
+    in the main thread's own code. Everything else goes to the hook there was before."""
+    if _raised is not None and unraisable.exc_value is _raised[0]:
+        timer = threading.Timer(_RESEND_S, os.kill, (os.getpid(), _raised[1]))
+        timer.daemon = True
+        timer.start()
+        return
+    before(unraisable)
 
 
 def exit_on_sigterm() -> None:
@@ -113,6 +142,7 @@ def exit_on_sigterm() -> None:
             global _installed_in
             _installed_in = os.getpid()
             signal.signal(signal.SIGTERM, _terminated)
+            sys.unraisablehook = functools.partial(_dropped, sys.unraisablehook)
 
 
 @contextlib.contextmanager
@@ -141,9 +171,7 @@ def signals_held() -> Iterator[None]:
         if _holding == 0 and _held:
             signum = _held[0]
             _held.clear()
-            if signum == signal.SIGINT:
-                raise KeyboardInterrupt
-            raise SystemExit(128 + signum)
+            _raise_for(signum)
 
 
 class Lifecycle:
