@@ -88,14 +88,14 @@ def _close_all() -> None:
 _installed_in = 0  # the process that installed `_terminated`
 _holding = 0  # how many `signals_held` the main thread is in
 _held: list[int] = []  # the signals that arrived during them, first first
-_raised: tuple[BaseException, int] | None = None  # the last signal's exception we raised
 _RESEND_S = 0.01  # a dropped signal is sent again once the finalizer it hit is done
 
 
 def _raise_for(signum: int) -> None:
-    global _raised
-    exc = KeyboardInterrupt() if signum == signal.SIGINT else SystemExit(128 + signum)
-    _raised = (exc, signum)
+    exc: BaseException = (
+        KeyboardInterrupt() if signum == signal.SIGINT else SystemExit(128 + signum)
+    )
+    exc.zmqsync_signal = signum  # type: ignore[attr-defined]  # for `_dropped`
     raise exc
 
 
@@ -124,8 +124,9 @@ def _dropped(before: Any, unraisable: Any) -> None:
     wherever the main thread is, pyzmq's ``Socket.__del__`` included) and goes on, so a
     SIGTERM would be lost; it is sent again, from another thread a moment later, to land
     in the main thread's own code. Everything else goes to the hook there was before."""
-    if _raised is not None and unraisable.exc_value is _raised[0]:
-        timer = threading.Timer(_RESEND_S, os.kill, (os.getpid(), _raised[1]))
+    signum = getattr(unraisable.exc_value, "zmqsync_signal", None)
+    if signum is not None:
+        timer = threading.Timer(_RESEND_S, os.kill, (os.getpid(), signum))
         timer.daemon = True
         timer.start()
         return
